@@ -1,0 +1,47 @@
+"""Paged K/V storage for the full-attention layers."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import ModelConfig
+
+
+class KvPagePool:
+    """`kv`: [num_attn_layers, 2, num_pages, page_size, Hkv, D], one tensor for every layer.
+
+    Pages are handed out from a free list; a request's pages form its block table.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        if num_pages <= 0:
+            raise ValueError("a KV pool needs at least one page")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (len(cfg.attn_layer_ids), 2, num_pages, *cfg.kv_page_shape(page_size))
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        per_layer = 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        return len(cfg.attn_layer_ids) * per_layer
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"KV pool has {len(self._free)} free pages, {n} requested")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+        if len(self._free) > self.num_pages:
+            raise RuntimeError("KV pages freed twice")

@@ -1,0 +1,73 @@
+"""The tensors that describe one forward pass over a packed batch.
+
+A batch is `N` sequences with `T` new tokens in all, packed one after another. Prefill
+chunks and decode tokens may share a batch (a decode token is a sequence of length 1).
+The model reads only these tensors: no per-request Python objects cross into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64: position of each token in its sequence
+    cu_seqlens: torch.Tensor  # [N+1] int32: new-token boundaries
+    seq_lens: torch.Tensor  # [N] int32: context length of each sequence after this pass
+    block_tables: torch.Tensor  # [N, max_pages] int32: KV pages of each sequence
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (page * page_size + offset) of each token
+    state_slots: torch.Tensor  # [N] int64: GDN state slot of each sequence
+    logits_indices: torch.Tensor  # [N] int64: the token whose logits each sequence needs
+    is_decode: bool  # every sequence has exactly one new token: the single-step ops apply
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @staticmethod
+    def build(
+        token_ids: list[list[int]],
+        start_positions: list[int],
+        block_tables: list[list[int]],
+        state_slots: list[int],
+        page_size: int,
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """Lay out `N` sequences' new tokens; sequence `i` starts at `start_positions[i]`."""
+        if not (len(token_ids) == len(start_positions) == len(block_tables) == len(state_slots)):
+            raise ValueError("token_ids, start_positions, block_tables and state_slots differ in length")
+        if any(len(t) == 0 for t in token_ids):
+            raise ValueError("every sequence in a batch needs at least one new token")
+        ids, positions, slots, cu, seq_lens = [], [], [], [0], []
+        for toks, start, table in zip(token_ids, start_positions, block_tables, strict=True):
+            ids.extend(toks)
+            for p in range(start, start + len(toks)):
+                positions.append(p)
+                slots.append(table[p // page_size] * page_size + p % page_size)
+            cu.append(cu[-1] + len(toks))
+            seq_lens.append(start + len(toks))
+        width = max(1, max(len(t) for t in block_tables))
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
+
+        def as_tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=device)
+
+        return ForwardBatch(
+            input_ids=as_tensor(ids, torch.int64),
+            positions=as_tensor(positions, torch.int64),
+            cu_seqlens=as_tensor(cu, torch.int32),
+            seq_lens=as_tensor(seq_lens, torch.int32),
+            block_tables=as_tensor(tables, torch.int32),
+            slot_mapping=as_tensor(slots, torch.int64),
+            state_slots=as_tensor(state_slots, torch.int64),
+            logits_indices=as_tensor([c - 1 for c in cu[1:]], torch.int64),
+            is_decode=all(len(t) == 1 for t in token_ids),
+        )

@@ -1,0 +1,69 @@
+"""Gated DeltaNet: the linear-attention token mixer of three of every four layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve import ops
+from pdserve.config import ModelConfig
+from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.layers import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    """in_proj -> causal conv1d (SiLU) -> gated delta rule -> gated RMSNorm -> out_proj.
+
+    `in_proj` fuses the checkpoint's `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `in_proj_a`
+    (in that order) into one GEMM. The conv and recurrent states live in the GDN state pool,
+    indexed by each sequence's state slot.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = cfg.gdn_key_dim
+        self.value_dim = cfg.gdn_value_dim
+        self.conv_dim = cfg.gdn_conv_dim
+        self.split = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        self.in_proj = nn.Parameter(torch.empty(sum(self.split), cfg.hidden_size))
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, cfg.linear_conv_kernel_dim))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.value_dim))
+        self.conv_pool: torch.Tensor | None = None  # [S, conv_dim, kernel - 1]
+        self.recurrent_pool: torch.Tensor | None = None  # [S, Hv, Dk, Dv]
+
+    def bind_state(self, conv_pool: torch.Tensor, recurrent_pool: torch.Tensor) -> None:
+        self.conv_pool, self.recurrent_pool = conv_pool, recurrent_pool
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(self.split, dim=-1)
+        if batch.is_decode:
+            mixed_qkv = ops.causal_conv1d_step(
+                mixed_qkv, self.conv1d_weight, self.conv_pool, batch.state_slots
+            )
+        else:
+            mixed_qkv = ops.causal_conv1d_prefill(
+                mixed_qkv, self.conv1d_weight, batch.cu_seqlens, self.conv_pool, batch.state_slots
+            )
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if batch.is_decode:
+            o = ops.gdn_recurrent_step(q, k, v, g, beta, self.recurrent_pool, batch.state_slots)
+        else:
+            o = ops.gdn_chunk_prefill(
+                q, k, v, g, beta, batch.cu_seqlens, self.recurrent_pool, batch.state_slots
+            )
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return F.linear(o.reshape(T, self.value_dim), self.out_proj)

@@ -1,0 +1,40 @@
+"""Routed-expert MoE: the CPU reference of the fused MoE kernel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Sum over each token's top-k experts of `weight * down(silu(gate(x)) * up(x))`.
+
+    x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I];
+    topk_weights: [T, K] (x's dtype); topk_ids: [T, K] int64. Returns [T, H].
+    """
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError("fused_moe wants x [T, H], w13 [E, 2I, H], w2 [E, H, I]")
+    if w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or 2 * w2.shape[2] != w13.shape[1]:
+        raise ValueError(
+            f"fused_moe shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError("topk_ids and topk_weights must both be [T, K]")
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // topk_ids.shape[1]
+    weight_of = topk_weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start : start + count]
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weight_of[start : start + count, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+        start += count
+    return out
