@@ -1,0 +1,166 @@
+"""The engine loop: add requests, then `step()` = schedule -> execute -> sample -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.sampling.params import SamplingParams
+from pdserve.sampling.sampler import Sampler, SamplerOutput, SamplingState, make_generator
+from pdserve.sampling.stop import StopChecker
+from pdserve.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step; `new_token_ids`/`text_delta` are what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    text_delta: str = ""
+    logprobs: list[dict] | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        if tokenizer is None and (Path(config.model) / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(config.model)
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config)
+        self.scheduler = Scheduler(
+            self.runner.kv_pool, self.runner.state_pool, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
+            tokenizer.eos_token_ids if tokenizer is not None else ()
+        )
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # ---- requests in
+    def make_sequence(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        """Validate a request and build its sequence (not yet queued)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len {self.config.max_model_len} "
+                "leaves no room for an output token"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, prompt_ids, params, self.eos_token_ids)
+        generator = None if params.seed is None else make_generator(params.seed, self.runner.device)
+        seq.sampling = SamplingState(params, prompt_ids, seq.output_token_ids, self.eos_token_ids, generator)
+        seq.stop_checker = StopChecker(params, self.tokenizer or _NO_TEXT, self.eos_token_ids)
+        return seq
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            seq.hold_memory = False
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.runner.execute(scheduled)
+        sampling = [s.seq for s in scheduled if s.samples]
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        sampled = self.sampler.sample(logits, [seq.sampling for seq in sampling])
+        return self.postprocess(sampling, sampled)
+
+    def postprocess(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        token_ids = sampled.token_ids.tolist()  # the one host synchronisation of a step
+        outputs = []
+        for i, (seq, token) in enumerate(zip(seqs, token_ids, strict=True)):
+            seq.output_token_ids.append(token)
+            if sampled.logprobs is not None and seq.params.logprobs is not None:
+                seq.logprobs.append(_logprob_entry(sampled, i, token, seq.params.logprobs))
+            text_delta, finished = seq.stop_checker.append(token)
+            if not finished and seq.num_tokens >= self.config.max_model_len:
+                finished, seq.finish_reason = True, "length"
+            if finished:
+                seq.finish_reason = seq.finish_reason or seq.stop_checker.finish_reason
+                seq.stop_reason = seq.stop_checker.stop_reason
+                self.scheduler.finish(seq)
+                self.requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [token], text_delta))
+        return outputs
+
+    def _output(self, seq: Sequence, new_tokens: list[int], text_delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.stop_checker.text,
+            finished=seq.status is SequenceStatus.FINISHED,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            new_token_ids=new_tokens,
+            text_delta=text_delta,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        )
+
+
+class _NoText:
+    """Decoder for engines without a tokenizer: token ids only, no text."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()
+
+
+def _logprob_entry(sampled: SamplerOutput, row: int, token: int, n: int) -> dict:
+    top = {}
+    if n > 0:
+        ids = sampled.top_token_ids[row, :n].tolist()
+        values = sampled.top_logprobs[row, :n].tolist()
+        top = dict(zip(ids, values, strict=True))
+    return {"token_id": token, "logprob": float(sampled.logprobs[row]), "top_logprobs": top}

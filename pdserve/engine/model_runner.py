@@ -1,0 +1,77 @@
+"""Owns the model and its memory pools on one device; turns a scheduled batch into logits."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.memory import GdnStatePool, KvPagePool
+from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.qwen3_5_moe import Qwen3MoeHybrid
+from pdserve.weights import init_dummy_weights, load_weights
+
+logger = logging.getLogger(__name__)
+CPU_KV_BUDGET_BYTES = 256 << 20
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        cfg = config.model_config
+        with torch.device(self.device):
+            model = Qwen3MoeHybrid(cfg, max_positions=config.max_model_len)
+        model.to(dtype=config.dtype)
+        model.rotary.to(dtype=torch.float32)  # the cos/sin tables stay fp32, like the reference
+        if config.load_format == "dummy":
+            init_dummy_weights(model, config.seed)
+        else:
+            load_weights(model, config.model, cfg)
+        self.model = model.eval()
+        self.state_pool = GdnStatePool(
+            cfg, config.num_state_slots, config.dtype, config.recurrent_state_dtype, self.device
+        )
+        self.kv_pool = KvPagePool(cfg, self._num_kv_pages(), config.page_size, config.dtype, self.device)
+        self.model.bind_pools(self.kv_pool.kv, self.state_pool.conv, self.state_pool.recurrent)
+
+    def _num_kv_pages(self) -> int:
+        c = self.config
+        per_page = KvPagePool.bytes_per_page(c.model_config, c.page_size, c.dtype)
+        floor = -(-c.max_model_len // c.page_size)  # one sequence of max_model_len must always fit
+        if c.num_kv_pages is not None:
+            if c.num_kv_pages < floor:
+                raise ValueError(f"num_kv_pages {c.num_kv_pages} cannot hold max_model_len {c.max_model_len}")
+            return c.num_kv_pages
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = total * (1 - c.gpu_memory_utilization) + (2 << 30)  # activations and graphs
+            pages = int((free - reserve) // per_page)
+        else:
+            pages = min(c.max_num_seqs * floor, CPU_KV_BUDGET_BYTES // per_page)
+        if pages < floor:
+            raise ValueError(
+                f"memory for {pages} KV pages cannot hold one sequence of max_model_len {c.max_model_len}"
+            )
+        return pages
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one packed pass; returns fp32 logits [num sampling sequences, vocab]."""
+        batch = ForwardBatch.build(
+            token_ids=[
+                s.seq.token_ids(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
+                for s in scheduled
+            ],
+            start_positions=[s.seq.num_computed_tokens for s in scheduled],
+            block_tables=[s.seq.block_table for s in scheduled],
+            state_slots=[s.seq.state_slot for s in scheduled],
+            page_size=self.config.page_size,
+            device=self.device,
+        )
+        hidden = self.model(batch)
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        index = batch.logits_indices[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+        return self.model.compute_logits(hidden[index])

@@ -1,0 +1,54 @@
+"""A request inside the engine: its tokens, its memory and where it is in its life."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.sampling.params import SamplingParams
+from pdserve.sampling.sampler import SamplingState
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; owns no memory
+    RUNNING = "running"  # owns KV pages and a GDN state slot
+    FINISHED = "finished"  # memory returned (or handed over: see `hold_memory`)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV and GDN state are in the pools
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sampling: SamplingState | None = None  # shares `output_token_ids`
+    stop_checker: object | None = None  # pdserve.sampling.stop.StopChecker when text is tracked
+    logprobs: list[dict] = field(default_factory=list)
+    # Prefill-only serving: when the sequence finishes, keep its pages and slot for a transfer.
+    hold_memory: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
