@@ -1,0 +1,20 @@
+"""Helpers shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.llm_engine import LLMEngine
+
+
+def random_prompts(lengths: tuple[int, ...] | list[int], seed: int, vocab: int = 240_000) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    """Every KV page and GDN state slot is back in its free pool, and no request is left."""
+    runner = engine.runner
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert runner.kv_pool.num_free == runner.kv_pool.num_pages, "KV pages leaked"
+    assert runner.state_pool.num_free == runner.state_pool.num_slots, "GDN state slots leaked"
