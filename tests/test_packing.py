@@ -71,10 +71,12 @@ def prefill_and_read_state(engine: LLMEngine, prompts: list[list[int]], token_bu
     return results
 
 
-def assert_same(a: dict, b: dict, what: str, tol: float = TOL) -> None:
+def assert_same(a: dict, b: dict, what: str, rtol: float = TOL) -> None:
+    """Max |a - b| within `rtol` of the largest magnitude (fp32 rounding, nothing more)."""
     for key in ("logits", "conv", "recurrent", "kv"):
         diff = (a[key] - b[key]).abs().max().item()
-        assert diff <= tol, f"{what}: {key} differs by {diff}"
+        scale = max(1.0, b[key].abs().max().item())
+        assert diff <= rtol * scale, f"{what}: {key} differs by {diff} (scale {scale})"
 
 
 def test_packed_prefill_equals_each_prompt_alone(engine: LLMEngine) -> None:
@@ -92,8 +94,8 @@ def test_chunked_prefill_equals_unchunked(engine: LLMEngine) -> None:
     chunked = prefill_and_read_state(engine, prompts, token_budget=24)
     assert chunked[0]["passes"] >= 12, "a 24-token budget must chunk 272 tokens over many passes"
     for prompt, a, b in zip(prompts, whole, chunked, strict=True):
-        # Chunk boundaries move the GDN scan's fp32 rounding: the bound of the transformers check.
-        assert_same(a, b, f"prompt of {len(prompt)} tokens chunked by 24", tol=1e-4)
+        # Chunk boundaries move the GDN scan's fp32 rounding (q/k RMSNorm can amplify it in K).
+        assert_same(a, b, f"prompt of {len(prompt)} tokens chunked by 24", rtol=1e-4)
 
 
 def test_preemption_recomputes_exactly(tiny_model_dir) -> None:
