@@ -1,0 +1,286 @@
+"""The router's OpenAI app: `create_app(backend, tokenizer, served_model_name, metrics)`.
+
+Request lifecycle (chat and completions alike):
+  1. parse    FastAPI + the pydantic models of router.protocol; bad JSON or types -> 400
+  2. check    model name (404 model_not_found), prompt -> token ids (chat template, encode),
+              length against max_model_len and max_tokens, SamplingParams (ValueError -> 400)
+  3. fan out  one GenerateRequest per choice (prompt p, copy j: id "<response id>-<k>", seed + j),
+              each pumped by a task into one merged queue (`Fanout`), followed by RouterMetrics
+  4. first    wait for the first event of any choice (or for the client to leave): a
+              BackendError now is a JSON error with the backend's status (400/500/503)
+  5. answer   stream=false: collect until every choice finished -> one JSON body
+              stream=true: SSE chunks (chat: a role chunk per choice, then deltas; each choice's
+              last chunk has its finish_reason), a usage chunk with include_usage, `data: [DONE]`;
+              a BackendError mid-stream -> `data: {"error": {...}}`, then [DONE]
+  6. cleanup  however it ends (done, error, client gone), `Fanout.close()` cancels the pumps;
+              a backend generator closed early aborts its request and frees its memory
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
+from typing import TypeVar
+
+import jinja2
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.tokenizer import Tokenizer
+from router.backend import Backend, GenerateRequest, TokenEvent
+from router.errors import BackendError, OpenAIError, error_body, error_response, install_error_handlers
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from router.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
+
+log = logging.getLogger("pdserve.router")
+MAX_CHOICES = 128  # prompts x n of one request: a typo'd n must not queue millions of generations
+T = TypeVar("T")
+Item = tuple[int, TokenEvent | BackendError]
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+class Fanout:
+    """One backend generation per choice, their events merged into one queue as (choice, event)."""
+
+    def __init__(
+        self, backend: Backend, requests: list[GenerateRequest], metrics: RouterMetrics, arrival: float
+    ) -> None:
+        self.backend = backend
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.tasks = [
+            asyncio.create_task(self._pump(i, req, metrics, arrival)) for i, req in enumerate(requests)
+        ]
+
+    async def _pump(self, index: int, req: GenerateRequest, metrics: RouterMetrics, arrival: float) -> None:
+        tracker = metrics.track(len(req.prompt_token_ids), arrival)
+        try:
+            async with contextlib.aclosing(self.backend.generate(req)) as events:
+                async for event in events:
+                    tracker.on_tokens(len(event.token_ids), event.finish_reason if event.finished else None)
+                    self.queue.put_nowait((index, event))
+                    if event.finished:
+                        return
+            raise BackendError("the backend ended a stream without finishing it", 500)
+        except BackendError as e:
+            tracker.on_error()
+            self.queue.put_nowait((index, e))
+        except Exception as e:  # a bug in a backend: the client gets an error, the server lives on
+            log.exception("backend generate(%s) failed", req.request_id)
+            tracker.on_error()
+            self.queue.put_nowait((index, BackendError(f"backend failure: {type(e).__name__}: {e}", 500)))
+        finally:
+            tracker.close()
+
+    async def next(self) -> Item:
+        return await self.queue.get()
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """`await awaitable`, or raise ClientGone (cancelling it) if the client leaves first."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise ClientGone
+    return work.result()
+
+
+def _sse(data: dict | str) -> str:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+class OpenAIRouter:
+    """The handlers behind the routes: turn requests into backend generations and answers."""
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, model: str, metrics: RouterMetrics) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model = model
+        self.metrics = metrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            message = f"The model `{model}` does not exist (this server serves `{self.model}`)."
+            raise OpenAIError(message, 404, param="model", code="model_not_found")
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        kwargs = body.chat_template_kwargs or {}
+        if reserved := sorted({"messages", "add_generation_prompt"} & set(kwargs)):
+            raise OpenAIError(f"chat_template_kwargs cannot set {reserved}", param="chat_template_kwargs")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                body.template_messages(), body.add_generation_prompt, **kwargs
+            )
+        except (ValueError, jinja2.TemplateError) as e:  # bad roles/content, or the template refused
+            raise OpenAIError(f"{e}", param="messages") from e
+        fmt = ChatFormat(self.model, self.tokenizer, body.n, body.include_usage)
+        return await self.serve(request, body, fmt, [(self.tokenizer.encode(text), "")], arrival)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        prompts = []
+        for item in prompt:
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            if not ids:
+                raise OpenAIError("prompt must not be empty", param="prompt")
+            if min(ids) < 0:
+                raise OpenAIError("prompt token ids must be non-negative", param="prompt")
+            echo = (item if isinstance(item, str) else self.tokenizer.decode(ids)) if body.echo else ""
+            prompts.append((ids, echo))
+        fmt = CompletionFormat(self.model, self.tokenizer, body.n, body.include_usage)
+        return await self.serve(request, body, fmt, prompts, arrival)
+
+    async def serve(
+        self,
+        request: Request,
+        body: OpenAIRequest,
+        fmt: ResponseFormat,
+        prompts: list[tuple[list[int], str]],
+        arrival: float,
+    ) -> Response:
+        """Steps 2 (limits, params) to 6 of the lifecycle for `prompts` as (token ids, echo text)."""
+        if body.n * len(prompts) > MAX_CHOICES:
+            raise OpenAIError(f"n x prompts must be at most {MAX_CHOICES}", param="n")
+        max_model_len = self.backend.max_model_len()
+        requests, choices = [], []
+        for ids, echo in prompts:
+            try:
+                params = body.sampling_params(body.max_tokens_for(len(ids), max_model_len))
+            except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]"
+                field = str(e).split(" ", 1)[0]
+                raise OpenAIError(str(e), param=field if field in type(body).model_fields else None) from e
+            for j in range(params.n):
+                seed = None if params.seed is None else params.seed + j
+                req_id = f"{fmt.id}-{len(requests)}"
+                requests.append(GenerateRequest(req_id, ids, replace(params, n=1, seed=seed)))
+                choices.append(Choice(index=len(choices), prompt_tokens=len(ids), prefix=echo))
+        fanout = Fanout(self.backend, requests, self.metrics, arrival)
+        try:
+            first = await _unless_disconnected(request, fanout.next())
+            if isinstance(first[1], BackendError):
+                raise first[1]
+            if body.stream:
+                stream = self._stream(fmt, fanout, choices, first)
+                fanout = None  # the stream owns it now
+                return StreamingResponse(stream, media_type="text/event-stream")
+            return JSONResponse(
+                await _unless_disconnected(request, self._collect(fmt, fanout, choices, first))
+            )
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        finally:
+            if fanout is not None:
+                fanout.close()
+
+    @staticmethod
+    async def _collect(fmt: ResponseFormat, fanout: Fanout, choices: list[Choice], item: Item) -> dict:
+        remaining = len(choices)
+        while True:
+            index, event = item
+            if isinstance(event, BackendError):
+                raise event
+            choices[index].add(event)
+            remaining -= event.finished
+            if not remaining:
+                return fmt.response(choices)
+            item = await fanout.next()
+
+    @staticmethod
+    async def _stream(
+        fmt: ResponseFormat, fanout: Fanout, choices: list[Choice], item: Item
+    ) -> AsyncIterator[str]:
+        try:
+            for chunk in fmt.head_chunks(choices):
+                yield _sse(chunk)
+            remaining = len(choices)
+            while True:
+                index, event = item
+                if isinstance(event, BackendError):
+                    log.warning("backend error mid-stream of %s: %s", fmt.id, event.message)
+                    yield _sse(error_body(event.message, event.status))
+                    break
+                choices[index].add(event)
+                if (chunk := fmt.event_chunk(choices[index], event)) is not None:
+                    yield _sse(chunk)
+                remaining -= event.finished
+                if not remaining:
+                    if fmt.include_usage:
+                        yield _sse(fmt.usage_chunk(choices))
+                    break
+                item = await fanout.next()
+            yield _sse("[DONE]")
+        finally:
+            fanout.close()
+
+
+def create_app(
+    backend: Backend, tokenizer: Tokenizer, served_model_name: str, metrics: RouterMetrics | None = None
+) -> FastAPI:
+    """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into."""
+    metrics = metrics or RouterMetrics()
+    router = OpenAIRouter(backend, tokenizer, served_model_name, metrics)
+    created = int(time.time())
+    app = FastAPI(title="pdserve router")
+    app.state.router = router
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await router.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await router.completions(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "pdserve"}
+        return {
+            "object": "list",
+            "data": [{**card, "root": served_model_name, "max_model_len": backend.max_model_len()}],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            return JSONResponse({"status": "ok", **(await backend.health())})
+        except BackendError as e:
+            return error_response(e.message, 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,169 @@
+"""The OpenAI request models: what /v1/chat/completions and /v1/completions accept.
+
+Request models accept what OpenAI's API and vLLM's extensions (top_k, min_p, repetition_penalty,
+ignore_eos, min_tokens, stop_token_ids, ...) accept; unknown fields are ignored, as OpenAI
+clients send some (user, logit_bias, ...). Types are checked by pydantic (-> 400 via
+router.errors); values by `SamplingParams` (its ValueError -> 400 with the reason).
+
+max_tokens (like vLLM): chat defaults to the room left in the context, completions to 16 (an
+explicit null: the room); asking for more than the room, or a prompt that leaves no room, is a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+
+from pdserve.sampling.params import MAX_LOGPROBS, SamplingParams
+from router.errors import OpenAIError
+
+_OPTIONAL_SAMPLING = (  # None: SamplingParams' default
+    "temperature", "top_p", "top_k", "min_p", "seed",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+_PASSED_ON = (
+    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+)  # fmt: skip
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+def _one_of(description: str) -> WrapValidator:
+    """For a union field: one readable error instead of one per member of the union."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"must be {description}") from None
+
+    return WrapValidator(check)
+
+
+Stop = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
+Prompt = Annotated[
+    str | list[int] | list[str] | list[list[int]],
+    _one_of("a string, a list of token ids, a list of strings or a list of token-id lists"),
+]
+Content = Annotated[str | list[ContentPart] | None, _one_of("a string or a list of content parts")]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIRequest(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the served model (vLLM's leniency; OpenAI requires it)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def max_tokens_for(self, prompt_len: int, max_model_len: int) -> int:
+        """The output budget of a prompt of `prompt_len` tokens, or a 400 naming the limit."""
+        requested = self.requested_max_tokens()
+        if requested is not None and requested < 1:
+            raise OpenAIError(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        room = max_model_len - prompt_len
+        if room < 1 or (requested is not None and requested > room):
+            asked = prompt_len + (requested or 0)
+            raise OpenAIError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{asked} tokens ({prompt_len} in the prompt, {requested or 0} for the completion). "
+                "Please reduce the length of the prompt or of the completion.",
+                param="messages" if isinstance(self, ChatCompletionRequest) else "prompt",
+            )
+        return room if requested is None else requested
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The request's sampling parameters (n included); raises ValueError on a bad value."""
+        given = {k: v for k in _OPTIONAL_SAMPLING if (v := getattr(self, k)) is not None}
+        given.update({k: getattr(self, k) for k in _PASSED_ON})
+        return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=self.num_logprobs(), **given)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: handed to the chat template
+    role: str
+    content: Content = None
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them: text content only, parts joined."""
+        out = []
+        for i, message in enumerate(self.messages):
+            content = message.content
+            if isinstance(content, list):
+                if any(part.type != "text" or part.text is None for part in content):
+                    raise OpenAIError("only text content parts are supported", param=f"messages.{i}.content")
+                content = "".join(part.text for part in content)
+            out.append({**message.model_dump(exclude_none=True), "content": content or ""})
+        return out
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is not None and self.echo:
+            raise OpenAIError("echo with logprobs is not supported (no prompt logprobs)", param="echo")
+        return self.logprobs

@@ -1,0 +1,192 @@
+"""Building OpenAI answers: responses, stream chunks, usage and the two logprobs formats.
+
+A `ResponseFormat` (ChatFormat or CompletionFormat) is made per HTTP request; the app feeds it
+`Choice`s, one per backend generation, which accumulate the `TokenEvent`s. Chat logprobs are
+`{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`; completions logprobs are the
+legacy `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. A token's
+text is its own decode (special tokens kept), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pdserve.tokenizer import Tokenizer
+from router.backend import TokenEvent
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf: a token the filters removed gets this (as in vLLM)
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one choice produced so far."""
+
+    index: int
+    prompt_tokens: int
+    prefix: str = ""  # text put before the output (completions with echo: the prompt)
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+    def add(self, event: TokenEvent) -> None:
+        self.text += event.text_delta
+        self.num_tokens += len(event.token_ids)
+        self.logprobs.extend(event.logprobs or ())
+        self.finish_reason = event.finish_reason
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+
+
+def usage(choices: list[Choice], n: int) -> dict:
+    """OpenAI usage: each prompt counted once (not once per choice), every choice's output."""
+    prompts = [choices[p : p + n] for p in range(0, len(choices), n)]
+    prompt_tokens = sum(group[0].prompt_tokens for group in prompts)
+    completion_tokens = sum(c.num_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(max(c.cached_tokens for c in g) for g in prompts)},
+    }
+
+
+class ResponseFormat:
+    """The envelope both APIs share; subclasses say how a choice and its logprobs look."""
+
+    id_prefix = ""
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, model: str, tokenizer: Tokenizer, n: int, include_usage: bool = False) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n = n
+        self.include_usage = include_usage
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, choices: list[dict]) -> dict:
+        body = self._envelope(self.chunk_object, choices)
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, choices: list[Choice]) -> dict:
+        return {**self.chunk([]), "usage": usage(choices, self.n)}
+
+    def response(self, choices: list[Choice]) -> dict:
+        body = self._envelope(self.object_name, [self.final_choice(c) for c in choices])
+        return {**body, "usage": usage(choices, self.n)}
+
+    def one_choice_chunk(
+        self, index: int, payload: dict, logprobs: dict | None = None, finish_reason: str | None = None
+    ) -> dict:
+        return self.chunk([{"index": index, **payload, "logprobs": logprobs, "finish_reason": finish_reason}])
+
+    def event_chunk(self, choice: Choice, event: TokenEvent) -> dict | None:
+        """The chunk of one event (after `choice.add(event)`); None when it has nothing to say
+        (text held back for a stop string or an incomplete character, no logprobs)."""
+        if not (event.text_delta or event.logprobs or event.finished):
+            return None
+        logprobs = None if event.logprobs is None else self.logprobs(choice, event.logprobs)
+        return self.one_choice_chunk(choice.index, self.delta(event), logprobs, event.finish_reason)
+
+    def final_choice(self, choice: Choice) -> dict:
+        logprobs = self.logprobs(choice, choice.logprobs) if choice.logprobs else None
+        return {
+            "index": choice.index,
+            **self.message(choice),
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+
+    # ---- what differs between the two APIs
+    def head_chunks(self, choices: list[Choice]) -> list[dict]:
+        """Chunks sent before any token event."""
+        return []
+
+    def delta(self, event: TokenEvent) -> dict:
+        raise NotImplementedError
+
+    def message(self, choice: Choice) -> dict:
+        raise NotImplementedError
+
+    def logprobs(self, choice: Choice, entries: list[dict]) -> dict:
+        raise NotImplementedError
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix, object_name, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def head_chunks(self, choices: list[Choice]) -> list[dict]:
+        return [
+            self.one_choice_chunk(c.index, {"delta": {"role": "assistant", "content": ""}}) for c in choices
+        ]
+
+    def delta(self, event: TokenEvent) -> dict:
+        return {"delta": {"content": event.text_delta} if event.text_delta or event.logprobs else {}}
+
+    def message(self, choice: Choice) -> dict:
+        return {"message": {"role": "assistant", "content": choice.text}}
+
+    def logprobs(self, choice: Choice, entries: list[dict]) -> dict:
+        def item(token_id: int, value: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {
+                    **item(e["token_id"], e["logprob"]),
+                    "top_logprobs": [item(*top) for top in e["top_logprobs"].items()],
+                }
+                for e in entries
+            ]
+        }
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix, object_name, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def head_chunks(self, choices: list[Choice]) -> list[dict]:
+        return [self.one_choice_chunk(c.index, {"text": c.prefix}) for c in choices if c.prefix]
+
+    def delta(self, event: TokenEvent) -> dict:
+        return {"text": event.text_delta}
+
+    def message(self, choice: Choice) -> dict:
+        return {"text": choice.prefix + choice.text}
+
+    def logprobs(self, choice: Choice, entries: list[dict]) -> dict:
+        """The legacy format; advances `choice.text_offset` over the tokens' text."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            text = self.token_text(e["token_id"])
+            top = {self.token_text(t): _logprob(v) for t, v in e["top_logprobs"].items()}
+            top.setdefault(text, _logprob(e["logprob"]))
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_logprob(e["logprob"]))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(choice.text_offset)
+            choice.text_offset += len(text)
+        return out
