@@ -1,0 +1,278 @@
+"""Batched sampling of one next token for each of B requests.
+
+One step, on the logits' device, with per-request knobs gathered into [B] tensors once
+(`SamplingTensors.from_requests`) so that no stage loops over requests:
+
+  1. penalties: repetition (prompt + output tokens, vLLM/HF), presence and frequency
+     (output tokens only, OpenAI's formula); then min_tokens masks eos and stop_token_ids
+  2. logprobs come from the RAW logits (before step 1), as vLLM returns them by default
+  3. greedy rows (temperature 0) take the argmax of the penalised logits
+  4. the other rows: temperature -> top-k -> top-p -> min-p -> exponential race
+     (argmax of probs / q with q ~ Exp(1), which draws from probs)
+
+The only per-request loop is the draw of q for seeded rows: each uses its own
+`torch.Generator`, kept by the caller in its `SamplingState` across steps, so a seeded
+request samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pdserve.sampling.params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with `seed`: one per seeded request, created once."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the sampler needs to know about one request at one step.
+
+    `output_token_ids` is the caller's list and grows as the request runs; `generator` is
+    set (on the logits' device) exactly when `params.seed` is, and must live as long as the
+    request does.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
+    generator: torch.Generator | None = None
+    _prompt_ids: Tensor | None = field(default=None, init=False, repr=False)  # made once, on the device
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        eos_token_ids: Sequence[int] = (),
+        device: torch.device | str = "cpu",
+    ) -> SamplingState:
+        generator = None if params.seed is None else make_generator(params.seed, device)
+        return cls(params, prompt_token_ids, [], tuple(eos_token_ids), generator)
+
+    def prompt_ids_on(self, device: torch.device) -> Tensor:
+        """The prompt as an int64 tensor on `device`, copied there once per request."""
+        if self._prompt_ids is None or self._prompt_ids.device != device:
+            self._prompt_ids = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
+        return self._prompt_ids
+
+    def min_tokens_blocked_ids(self) -> list[int]:
+        """Token ids that may not be sampled yet: stop tokens while min_tokens is unmet."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return [*eos, *self.params.stop_token_ids]
+
+
+def _token_histograms(
+    requests: Sequence[SamplingState], vocab_size: int, device: torch.device, with_prompt: bool
+) -> tuple[Tensor, Tensor | None]:
+    """[B, V] fp32 counts of each output token, and (if asked) a [B, V] bool mask of prompt tokens.
+
+    The output lists grow every step, so they go over as one flat array of row * V + token
+    (numpy reads the lists several times faster than torch.tensor reads nested ones); prompts
+    are copied to the device once per request and padded with the id V, an extra column."""
+    outputs = [r.output_token_ids for r in requests]
+    lengths = [len(o) for o in outputs]
+    tokens = np.fromiter(itertools.chain.from_iterable(outputs), dtype=np.int64, count=sum(lengths))
+    flat = np.repeat(np.arange(len(outputs), dtype=np.int64) * vocab_size, lengths) + tokens
+    counts = torch.zeros(len(requests) * vocab_size, device=device)
+    flat_index = torch.from_numpy(flat).to(device)
+    counts = counts.index_add_(0, flat_index, torch.ones_like(flat_index, dtype=counts.dtype))
+    counts = counts.view(len(requests), vocab_size)
+    if not with_prompt:
+        return counts, None
+    prompts = [r.prompt_ids_on(device) for r in requests]
+    prompts = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=vocab_size)
+    prompt_mask = torch.zeros(len(requests), vocab_size + 1, dtype=torch.bool, device=device)
+    prompt_mask.scatter_(1, prompts, True)
+    return counts, prompt_mask[:, :vocab_size]
+
+
+def _blocked_tokens(
+    requests: Sequence[SamplingState], vocab_size: int, device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """(rows, token ids) of the stop tokens that min_tokens forbids this step, or None."""
+    pairs = [(i, t) for i, r in enumerate(requests) for t in r.min_tokens_blocked_ids()]
+    if not pairs:
+        return None
+    if any(t >= vocab_size for _, t in pairs):
+        raise ValueError(f"an eos or stop token id is outside the vocabulary of {vocab_size}")
+    return torch.tensor(pairs, dtype=torch.long, device=device).unbind(1)
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row knobs of one step as [B] tensors; a knob no row uses is None (its stage is skipped)."""
+
+    temperature: Tensor  # [B] fp32; 1.0 on greedy rows so that dividing is harmless
+    greedy: Tensor  # [B] bool
+    all_greedy: bool
+    top_k: Tensor | None  # [B] int64 in [1, V]; V where off
+    max_top_k: int  # the largest k of the sampled rows (V when one of them has top-k off)
+    top_p: Tensor | None  # [B] fp32; 1.0 where off
+    min_p: Tensor | None  # [B] fp32; 0.0 where off
+    penalties: Tensor | None  # [B, 3] fp32: repetition, presence, frequency
+    output_counts: Tensor | None  # [B, V] fp32: occurrences of each token in the output
+    prompt_mask: Tensor | None  # [B, V] bool: tokens present in the prompt
+    blocked: tuple[Tensor, Tensor] | None  # (rows, token ids) masked to -inf for min_tokens
+    seeded: list[tuple[int, torch.Generator]]  # non-greedy rows with their own generator
+    max_num_logprobs: int | None  # largest `logprobs` asked for; None when no row asks
+
+    @classmethod
+    def from_requests(
+        cls, requests: Sequence[SamplingState], vocab_size: int, device: torch.device
+    ) -> SamplingTensors:
+        ps = [r.params for r in requests]
+
+        def column(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def k_of(p: SamplingParams) -> int:
+            return vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
+
+        # Greedy rows get neutral filter knobs: what the random path draws for them is discarded.
+        max_top_k = max((k_of(p) for p in ps if not p.greedy), default=vocab_size)
+        top_k = [max_top_k if p.greedy else k_of(p) for p in ps]
+        top_p = [1.0 if p.greedy else p.top_p for p in ps]
+        min_p = [0.0 if p.greedy else p.min_p for p in ps]
+        penalties = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in ps]
+        use_penalties = any(pen != (1.0, 0.0, 0.0) for pen in penalties)
+        counts = prompt_mask = None
+        if use_penalties:
+            with_prompt = any(p.repetition_penalty != 1.0 for p in ps)
+            counts, prompt_mask = _token_histograms(requests, vocab_size, device, with_prompt)
+        asked = [p.logprobs for p in ps if p.logprobs is not None]
+        return cls(
+            temperature=column([1.0 if p.greedy else p.temperature for p in ps], torch.float32),
+            greedy=column([p.greedy for p in ps], torch.bool),
+            all_greedy=all(p.greedy for p in ps),
+            top_k=column(top_k, torch.long) if min(top_k, default=vocab_size) < vocab_size else None,
+            max_top_k=max_top_k,
+            top_p=column(top_p, torch.float32) if min(top_p, default=1.0) < 1.0 else None,
+            min_p=column(min_p, torch.float32) if max(min_p, default=0.0) > 0.0 else None,
+            penalties=column(penalties, torch.float32) if use_penalties else None,
+            output_counts=counts,
+            prompt_mask=prompt_mask,
+            blocked=_blocked_tokens(requests, vocab_size, device),
+            seeded=[
+                (i, r.generator)
+                for i, r in enumerate(requests)
+                if r.generator is not None and not r.params.greedy
+            ],
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's result. The logprob fields are None unless some request asked for logprobs."""
+
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor | None = None  # [B] fp32: raw log-probability of the chosen token
+    top_token_ids: Tensor | None = None  # [B, max_n] int64, most likely first
+    top_logprobs: Tensor | None = None  # [B, max_n] fp32, descending
+
+
+def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """Penalised fp32 `logits` [B, V]. Repetition divides the positive logits of tokens seen in the
+    prompt or output and multiplies the negative ones; then logit -= frequency * count + presence * seen
+    over the output tokens (OpenAI's formula)."""
+    if t.penalties is None or t.output_counts is None:
+        return logits
+    repetition, presence, frequency = (p.unsqueeze(1) for p in t.penalties.unbind(1))
+    seen_in_output = t.output_counts > 0
+    if t.prompt_mask is not None:
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(t.prompt_mask | seen_in_output, penalised, logits)
+    return logits - frequency * t.output_counts - presence * seen_in_output
+
+
+def apply_top_k_top_p(
+    logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, max_top_k: int | None = None
+) -> Tensor:
+    """Masks to -inf the logits below each row's k-th largest value (ties with it stay), then
+    those outside its top-p nucleus: a token stays while the tokens strictly more likely than it
+    hold less than p of the probability (renormalised over what top-k kept).
+
+    Both filters are thresholds on values, so the result depends neither on how a sort orders
+    ties nor on the other rows. `max_top_k` (the largest k, when every row has one) lets the
+    thresholds come from torch.topk instead of sorting whole rows.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    if max_top_k is not None and max_top_k < logits.shape[1]:
+        values = logits.topk(max_top_k, dim=-1).values  # descending
+    else:
+        values = logits.sort(dim=-1, descending=True).values
+    if top_k is None:
+        threshold = torch.full_like(values[:, :1], float("-inf"))
+    else:
+        threshold = values.gather(1, top_k.unsqueeze(1) - 1)
+    if top_p is not None:
+        row_max = values[:, :1]
+        total = torch.where(logits >= threshold, (logits - row_max).exp(), 0.0).sum(dim=-1, keepdim=True)
+        probs = torch.where(values >= threshold, (values - row_max).exp(), 0.0) / total
+        mass_before = torch.cat([torch.zeros_like(probs[:, :1]), probs[:, :-1].cumsum(dim=-1)], dim=1)
+        p = top_p.unsqueeze(1)
+        kept = (mass_before < p) | (p >= 1.0)  # a prefix of the sorted values, never empty
+        threshold = torch.maximum(threshold, values.gather(1, kept.sum(dim=-1, keepdim=True) - 1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor | None) -> Tensor:
+    """Masks tokens whose probability is below min_p times the row's largest probability;
+    in logit space: logit < max_logit + log(min_p)."""
+    if min_p is None:
+        return logits
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+class Sampler:
+    """Picks one next token per row of a [B, V] logits tensor (fp32 or bf16, any device)."""
+
+    def sample(self, logits: Tensor, requests: Sequence[SamplingState]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"logits must be [B, V] with B = {len(requests)} requests, got {tuple(logits.shape)}"
+            )
+        t = SamplingTensors.from_requests(requests, logits.shape[1], logits.device)
+        logits = logits.to(torch.float32, copy=True)
+        raw_logprobs = None if t.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        logits = apply_penalties(logits, t)
+        if t.blocked is not None:
+            logits[t.blocked] = float("-inf")
+        token_ids = logits.argmax(dim=-1)
+        if not t.all_greedy:
+            token_ids = torch.where(t.greedy, token_ids, self._sample_random(logits, t))
+        if raw_logprobs is None or t.max_num_logprobs is None:
+            return SamplerOutput(token_ids=token_ids)
+        top_logprobs, top_token_ids = raw_logprobs.topk(t.max_num_logprobs, dim=-1)
+        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(token_ids, chosen, top_token_ids, top_logprobs)
+
+    @staticmethod
+    def _sample_random(logits: Tensor, t: SamplingTensors) -> Tensor:
+        logits = logits / t.temperature.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, t.top_k, t.top_p, t.max_top_k)
+        probs = apply_min_p(logits, t.min_p).softmax(dim=-1)
+        q = torch.empty_like(probs)
+        if len(t.seeded) < q.shape[0]:
+            q.exponential_()
+        for row, generator in t.seeded:
+            q[row].exponential_(generator=generator)
+        # An exact 0 draw would make 0/0 = NaN, which argmax takes for the largest value.
+        return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
