@@ -30,6 +30,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     text_delta: str = ""
     logprobs: list[dict] | None = None
+    handed_over: bool = False  # prefill-only: the state stays in the pools for a transfer
 
 
 class LLMEngine:
@@ -127,10 +128,25 @@ class LLMEngine:
             if finished:
                 seq.finish_reason = seq.finish_reason or seq.stop_checker.finish_reason
                 seq.stop_reason = seq.stop_checker.stop_reason
+            elif seq.prefill_only:
+                seq.hold_memory = True
+            if finished or seq.prefill_only:
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, [token], text_delta))
         return outputs
+
+    def admit_prefilled(
+        self, seq: Sequence, first_token: int, block_table: list[int], state_slot: int
+    ) -> None:
+        """Start decoding a sequence whose prompt state was filled by a transfer into
+        `block_table`/`state_slot`; `first_token` was sampled by the prefill instance."""
+        seq.block_table, seq.state_slot = block_table, state_slot
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.output_token_ids.append(first_token)
+        seq.stop_checker.append(first_token)  # replays the prefill side's detokenizer state
+        self.requests[seq.request_id] = seq
+        self.scheduler.add_running(seq)
 
     def _output(self, seq: Sequence, new_tokens: list[int], text_delta: str) -> RequestOutput:
         return RequestOutput(
@@ -139,6 +155,7 @@ class LLMEngine:
             token_ids=list(seq.output_token_ids),
             text=seq.stop_checker.text,
             finished=seq.status is SequenceStatus.FINISHED,
+            handed_over=seq.hold_memory,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             new_token_ids=new_tokens,

@@ -31,7 +31,9 @@ class Sequence:
     sampling: SamplingState | None = None  # shares `output_token_ids`
     stop_checker: object | None = None  # pdserve.sampling.stop.StopChecker when text is tracked
     logprobs: list[dict] = field(default_factory=list)
-    # Prefill-only serving: when the sequence finishes, keep its pages and slot for a transfer.
+    # Prefill-only serving: after its first token the sequence is handed over (finished here,
+    # finish_reason None) and keeps its pages and slot until the decode side has pulled them.
+    prefill_only: bool = False
     hold_memory: bool = False
 
     @property

@@ -1,0 +1,235 @@
+"""The decode service: pulls each handed-over request's KV pages and GDN state from its prefill
+instance (NIXL READ), then decodes it with every other running request and streams its tokens.
+
+Request lifecycle:
+  1. `decode` RPC (server streaming): validated, the prefill instance added as a transfer peer
+     (handshake checks protocol version + compatibility hash) on first contact;
+  2. transfer queue: waits for free KV pages + a state slot (admission control), then
+     READs the prefill instance's pages/slot into its own;
+  3. READ done (the prefill side is notified and frees its copy) -> running: the first token,
+     sampled by prefill, is fed first; the state already holds every prompt token;
+  4. each decode step streams {token_ids, text_delta, logprobs, finished, finish_reason};
+     finished or the stream cancelled -> pages and slot freed.
+A failed or timed-out READ ends the stream with an error and frees what was allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from kvtransfer import (
+    POOL_UNIT_DIMS,
+    RequestPayload,
+    TransferAgent,
+    TransferHandle,
+    TransferState,
+    model_identity,
+)
+from kvtransfer.payload import pool_units
+from pdserve.config import EngineConfig
+from pdserve.engine.engine_thread import EngineThread
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.rpc import RpcClient
+from pdserve.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DecodeConfig:
+    """The one config object of a decode process."""
+
+    engine: EngineConfig
+    instance_id: str = "decode-0"
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    redis_url: str | None = None
+    transfer_timeout_s: float = 10.0
+    heartbeat_s: float = 1.0
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request in the transfer queue: waiting for memory, then for its READ."""
+
+    seq: Sequence
+    payload: RequestPayload
+    peer: str
+    first_token: int
+    first_logprobs: list | None
+    handle: TransferHandle | None = None
+    pages: list[int] | None = None
+    slot: int | None = None
+
+
+class DecodeService:
+    def __init__(self, config: DecodeConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config.engine)
+        runner = self.engine.runner
+        pools = {
+            "kv": runner.kv_pool.kv,
+            "conv": runner.state_pool.conv,
+            "recurrent": runner.state_pool.recurrent,
+        }
+        self.agent = TransferAgent(
+            config.instance_id,
+            pools,
+            POOL_UNIT_DIMS,
+            model_identity(config.engine.model_config),
+            config.engine.page_size,
+            timeout_s=config.transfer_timeout_s,
+        )
+        self.pending: dict[str, Pending] = {}
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._peers: dict[str, str] = {}  # prefill agent name -> peer name
+        self._peer_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.thread.stop()
+        self.agent.close()
+
+    def load(self) -> dict:
+        s, runner = self.engine.scheduler, self.engine.runner
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting) + len(self.pending),
+            "free_kv_pages": runner.kv_pool.num_free,
+            "free_state_slots": runner.state_pool.num_free,
+            "kv_pages": runner.kv_pool.num_pages,
+            "state_slots": runner.state_pool.num_slots,
+        }
+
+    # ---- RPC handler
+    async def decode(self, msg: dict):
+        rid = msg["request_id"]
+        payload = RequestPayload(**msg["payload"])
+        payload.check_pages(self.config.engine.page_size)
+        peer = await self._peer(payload.prefill_agent, msg["prefill_address"])
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[rid] = queue
+        finished = False
+        try:
+            await self.thread.call(self._admit, msg, payload, peer)
+            while not finished:
+                event = await queue.get()
+                if "error" in event:
+                    raise RuntimeError(event["error"])
+                finished = event["finished"]
+                yield event
+        finally:
+            self.streams.pop(rid, None)
+            if not finished:
+                await self.thread.call(self._cancel, rid)
+
+    async def _peer(self, agent_name: str, address: str) -> str:
+        async with self._peer_lock:
+            if agent_name not in self._peers:
+                client = RpcClient(address, "pdserve.Prefill")
+                try:
+                    endpoint = await client.unary("endpoint", {}, timeout=10.0)
+                finally:
+                    await client.close()
+                self._peers[agent_name] = await self.thread.call(self.agent.add_peer, endpoint)
+            return self._peers[agent_name]
+
+    # ---- on the engine thread
+    def _admit(self, msg: dict, payload: RequestPayload, peer: str) -> None:
+        params = SamplingParams(**msg["params"])
+        seq = self.engine.make_sequence(msg["prompt_token_ids"], params, msg["request_id"])
+        if payload.num_tokens != seq.num_prompt_tokens:
+            raise ValueError(
+                f"payload holds {payload.num_tokens} tokens, the prompt has {seq.num_prompt_tokens}"
+            )
+        self.pending[seq.request_id] = Pending(
+            seq, payload, peer, msg["first_token"], msg.get("first_logprobs")
+        )
+
+    def _tick(self) -> bool:
+        kv, states = self.engine.runner.kv_pool, self.engine.runner.state_pool
+        for rid, p in list(self.pending.items()):
+            if p.handle is None:
+                need = len(p.payload.kv_pages)
+                if need > kv.num_free or states.num_free == 0:
+                    continue  # admission control: wait for memory
+                p.pages, p.slot = kv.allocate(need), states.allocate()
+                try:
+                    p.handle = self.agent.pull(
+                        p.peer, rid, p.payload.remote_units(), pool_units(p.pages, p.slot)
+                    )
+                except Exception as e:  # a bad payload or a peer gone: this request only
+                    del self.pending[rid]
+                    self._free(p)
+                    self._post(rid, {"error": f"cannot pull the state of {rid}: {e}"})
+                    continue
+            state = self.agent.poll(p.handle)
+            if state is TransferState.TRANSFERRING:
+                continue
+            del self.pending[rid]
+            self.agent.release(p.handle)
+            if state is TransferState.FAILED:
+                self._free(p)
+                self._post(
+                    rid, {"error": f"state transfer from {p.payload.prefill_agent} failed: {p.handle.error}"}
+                )
+                continue
+            if p.first_logprobs:
+                p.seq.logprobs.extend(p.first_logprobs)
+            self.engine.admit_prefilled(p.seq, p.first_token, p.pages, p.slot)
+            self._post(rid, self._transfer_event(p))
+        return bool(self.pending)
+
+    def _transfer_event(self, p: Pending) -> dict:
+        return {
+            "token_ids": [],
+            "text_delta": "",
+            "logprobs": None,
+            "finished": False,
+            "finish_reason": None,
+            "transfer": {"bytes": p.handle.nbytes, "seconds": p.handle.seconds},
+        }
+
+    def _free(self, p: Pending) -> None:
+        if p.pages is not None:
+            self.engine.runner.kv_pool.free(p.pages)
+        if p.slot is not None:
+            self.engine.runner.state_pool.free(p.slot)
+
+    def _cancel(self, rid: str) -> None:
+        p = self.pending.pop(rid, None)
+        if p is not None:
+            if p.handle is not None:
+                self.agent.release(p.handle)
+            self._free(p)
+        self.engine.abort(rid)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            event = {
+                "token_ids": out.new_token_ids,
+                "text_delta": out.text_delta,
+                "logprobs": out.logprobs[-1:] if out.logprobs else None,
+                "finished": out.finished,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            self._post(out.request_id, event)
+
+    def _on_error(self, request_ids: list[str], message: str) -> None:
+        for rid in request_ids:
+            self._post(rid, {"error": message})
+
+    def _post(self, rid: str, event: dict) -> None:
+        queue = self.streams.get(rid)
+        if queue is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, event)

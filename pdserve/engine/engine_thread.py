@@ -1,0 +1,119 @@
+"""An `LLMEngine` on its own thread, driven from asyncio services.
+
+Loop, each turn:
+  1. run the calls queued by `call()` (admissions, aborts, releases: they touch the pools,
+     so only this thread touches the engine and the transfer agent);
+  2. `tick()`: the service's own polling (transfer states, done notifications, expiries);
+  3. `engine.step()` when there is work, and hand its outputs to `on_outputs`;
+  4. when idle, sleep until woken by a new call (or the tick interval passes).
+A failing step fails the requests it held (reported through `on_error`), never the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineThread:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_error: Callable[[list[str], str], None],
+        tick: Callable[[], bool] | None = None,
+        idle_s: float = 0.002,
+    ) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.on_error = on_error
+        self.tick = tick or (lambda: False)
+        self.idle_s = idle_s
+        self._calls: queue.SimpleQueue[
+            tuple[Callable, tuple, Callable[[Any, BaseException | None], None]]
+        ] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the engine thread between steps; its exception is raised here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            def set_result() -> None:
+                if future.cancelled():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+            loop.call_soon_threadsafe(set_result)
+
+        self._calls.put((fn, args, settle))
+        self._wake.set()
+        return await future
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_calls()
+            busy = self._safe_tick()
+            if self.engine.scheduler.running or self.engine.scheduler.waiting:
+                self._safe_step()
+                # waiting requests that cannot be admitted yet (memory held for transfers)
+                busy = busy or bool(self.engine.scheduler.running)
+                if busy:
+                    continue
+            self._wake.wait(self.idle_s if busy else 0.05)
+            self._wake.clear()
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, args, settle = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                settle(None, e)
+            else:
+                settle(result, None)
+
+    def _safe_tick(self) -> bool:
+        try:
+            return bool(self.tick())
+        except Exception:
+            logger.exception("engine tick failed")
+            return False
+
+    def _safe_step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing its requests")
+            failed = list(self.engine.requests)
+            for request_id in failed:
+                self.engine.abort(request_id)
+            self.on_error(failed, f"engine step failed: {e}")
+            return
+        if outputs:
+            self.on_outputs(outputs)

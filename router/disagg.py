@@ -1,0 +1,195 @@
+"""`DisaggBackend`: the router's path through prefill and decode instances.
+
+Request lifecycle:
+  1. burst: requests arriving within `burst_window_s` of each other (up to a token budget)
+     go to one prefill instance as one `prefill` RPC, which packs them into shared passes;
+  2. the prefill answer carries each first token (the TTFT) and, unless the request ended
+     there, a `RequestPayload` naming its KV pages and GDN state slot;
+  3. a decode instance (least loaded) gets a `decode` stream: it READs the state through
+     NIXL, then streams tokens; the router forwards them as they come;
+  4. a failed instance is set aside and the request gets a clear error; a request whose
+     decode never pulled its state has its prefill copy released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import asdict, dataclass
+
+from pdserve.rpc import RpcError
+from router.backend import GenerateRequest, TokenEvent
+from router.errors import BackendError
+from router.instances import InstanceSet, NoInstanceError
+from router.metrics import RouterMetrics
+
+log = logging.getLogger("pdserve.router")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+BYTES_BUCKETS = tuple(2**k for k in range(10, 34, 2))
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(slots=True)
+class BurstConfig:
+    window_s: float = 0.005
+    max_tokens: int = 16384
+    max_requests: int = 256
+
+
+class DisaggBackend:
+    def __init__(
+        self,
+        instances: InstanceSet,
+        metrics: RouterMetrics,
+        max_model_len: int,
+        burst: BurstConfig | None = None,
+    ) -> None:
+        self.instances = instances
+        self.burst = burst or BurstConfig()
+        self._max_model_len = max_model_len
+        self._queue: list[tuple[GenerateRequest, asyncio.Future]] = []
+        self._queued_tokens = 0
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._batch_size = metrics.histogram(
+            "prefill_batch_size", "Requests per prefill burst", BATCH_BUCKETS
+        )
+        self._xfer_bytes = metrics.histogram("transfer_bytes", "State bytes moved per request", BYTES_BUCKETS)
+        self._xfer_seconds = metrics.histogram(
+            "transfer_seconds", "State transfer time per request", SECONDS_BUCKETS
+        )
+
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    async def health(self) -> dict:
+        counts = self.instances.counts()
+        return {"status": "ok" if counts["prefill"] and counts["decode"] else "degraded", **counts}
+
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        first, prefill = await self._prefill(req)
+        yield TokenEvent(
+            [first["token_id"]],
+            first["text_delta"],
+            first["logprobs"],
+            first["finished"],
+            first["finish_reason"],
+        )
+        if first["finished"]:
+            return
+        pulled = False
+        try:
+            async for event in self._decode(req, first, prefill):
+                pulled = True
+                if event is not None:
+                    yield event
+        finally:
+            if not pulled:
+                await self._release(prefill, req.request_id)
+
+    # ---- 1-2: bursts to a prefill instance
+    async def _prefill(self, req: GenerateRequest) -> tuple[dict, object]:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((req, future))
+        self._queued_tokens += len(req.prompt_token_ids)
+        full = self._queued_tokens >= self.burst.max_tokens or len(self._queue) >= self.burst.max_requests
+        if full:
+            self._flush()
+        elif self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(self.burst.window_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        batch, self._queue, self._queued_tokens = self._queue, [], 0
+        if batch:
+            asyncio.create_task(self._send_burst(batch))
+
+    async def _send_burst(self, batch: list[tuple[GenerateRequest, asyncio.Future]]) -> None:
+        try:
+            instance = self.instances.pick("prefill")
+        except NoInstanceError as e:
+            return _fail(batch, BackendError(str(e), 503))
+        self._batch_size.observe(len(batch))
+        message = {
+            "requests": [
+                {
+                    "request_id": r.request_id,
+                    "prompt_token_ids": r.prompt_token_ids,
+                    "params": asdict(r.params),
+                }
+                for r, _ in batch
+            ]
+        }
+        self.instances.in_flight[instance.instance_id] += len(batch)
+        try:
+            answer = await self.instances.client(instance).unary("prefill", message, timeout=600.0)
+        except RpcError as e:
+            self.instances.set_aside(instance)
+            return _fail(batch, BackendError(f"prefill instance {instance.instance_id} failed: {e}", 503))
+        finally:
+            self.instances.in_flight[instance.instance_id] -= len(batch)
+        for (_, future), result in zip(batch, answer["results"], strict=True):
+            if future.done():
+                continue
+            if "error" in result:
+                future.set_exception(BackendError(result["error"], 400))
+            else:
+                future.set_result((result, instance))
+
+    # ---- 3: a decode stream
+    async def _decode(
+        self, req: GenerateRequest, first: dict, prefill
+    ) -> AsyncGenerator[TokenEvent | None, None]:
+        try:
+            instance = self.instances.pick("decode")
+        except NoInstanceError as e:
+            raise BackendError(str(e), 503) from e
+        message = {
+            "request_id": req.request_id,
+            "prompt_token_ids": req.prompt_token_ids,
+            "params": asdict(req.params),
+            "first_token": first["token_id"],
+            "first_logprobs": first["logprobs"],
+            "payload": first["payload"],
+            "prefill_address": prefill.address,
+        }
+        self.instances.in_flight[instance.instance_id] += 1
+        self._decoded.labels(instance.instance_id).inc()
+        try:
+            async for event in self.instances.client(instance).stream("decode", message):
+                if "transfer" in event:
+                    self._xfer_bytes.observe(event["transfer"]["bytes"])
+                    self._xfer_seconds.observe(event["transfer"]["seconds"])
+                    yield None
+                    continue
+                yield TokenEvent(
+                    event["token_ids"],
+                    event["text_delta"],
+                    event["logprobs"],
+                    event["finished"],
+                    event["finish_reason"],
+                )
+                if event["finished"]:
+                    return
+        except RpcError as e:
+            if e.code == "UNAVAILABLE":
+                self.instances.set_aside(instance)
+            raise BackendError(f"decode instance {instance.instance_id} failed: {e.message}", 503) from e
+        finally:
+            self.instances.in_flight[instance.instance_id] -= 1
+        raise BackendError(f"decode instance {instance.instance_id} ended the stream early", 503)
+
+    async def _release(self, prefill, request_id: str) -> None:
+        try:
+            await self.instances.client(prefill).unary("release", {"request_id": request_id}, timeout=5.0)
+        except RpcError as e:
+            log.warning("could not release %s on %s: %s", request_id, prefill.instance_id, e)
+
+
+def _fail(batch: list[tuple[GenerateRequest, asyncio.Future]], error: BackendError) -> None:
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(error)

@@ -1,0 +1,101 @@
+"""The live prefill and decode instances, as the registry in Redis reports them.
+
+Refreshed in the background; an instance whose heartbeat expires drops out. An instance the
+router could not reach is set aside locally until the registry shows a fresh heartbeat.
+Choice: least load (registry load + this router's requests in flight there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+
+from pdserve.registry import InstanceInfo, InstanceRegistry
+from pdserve.rpc import RpcClient
+from router.metrics import RouterMetrics
+
+log = logging.getLogger("pdserve.router")
+SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}
+SET_ASIDE_S = 5.0
+
+
+class NoInstanceError(RuntimeError):
+    pass
+
+
+class InstanceSet:
+    def __init__(self, registry: InstanceRegistry, metrics: RouterMetrics, refresh_s: float = 0.5) -> None:
+        self.registry = registry
+        self.refresh_s = refresh_s
+        self.live: dict[str, dict[str, InstanceInfo]] = {"prefill": {}, "decode": {}}
+        self.in_flight: dict[str, int] = defaultdict(int)
+        self._set_aside: dict[str, float] = {}
+        self._clients: dict[str, RpcClient] = {}
+        self._task: asyncio.Task | None = None
+        self._load = metrics.gauge(
+            "instance_load", "Requests running + waiting per instance", ["role", "instance"]
+        )
+        self._count = metrics.gauge("instances_live", "Live instances per role", ["role"])
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for client in self._clients.values():
+            await client.close()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as e:  # Redis briefly unreachable: keep the last view
+                log.warning("instance refresh failed: %s", e)
+
+    async def refresh(self) -> None:
+        for role in self.live:
+            found = {i.instance_id: i for i in await self.registry.instances(role)}
+            for gone in set(self.live[role]) - set(found):
+                log.warning("%s instance %s left the registry", role, gone)
+                self._load.remove(role, gone)
+            self.live[role] = found
+            self._count.labels(role).set(len(found))
+            for i in found.values():
+                self._load.labels(role, i.instance_id).set(
+                    i.load.get("running", 0) + i.load.get("waiting", 0)
+                )
+
+    def pick(self, role: str, exclude: set[str] = frozenset()) -> InstanceInfo:
+        now = time.monotonic()
+        candidates = [
+            i
+            for i in self.live[role].values()
+            if i.instance_id not in exclude and self._set_aside.get(i.instance_id, 0.0) < now
+        ]
+        if not candidates:
+            raise NoInstanceError(f"no live {role} instance")
+
+        def load(i: InstanceInfo) -> float:
+            return self.in_flight[i.instance_id] + i.load.get("running", 0) + i.load.get("waiting", 0)
+
+        return min(candidates, key=load)
+
+    def set_aside(self, instance: InstanceInfo) -> None:
+        """The instance failed us: skip it for a while (the registry will drop it if it is dead)."""
+        log.warning("%s instance %s failed; setting it aside", instance.role, instance.instance_id)
+        self._set_aside[instance.instance_id] = time.monotonic() + SET_ASIDE_S
+        self.live[instance.role].pop(instance.instance_id, None)
+
+    def client(self, instance: InstanceInfo) -> RpcClient:
+        key = f"{instance.role}@{instance.address}"
+        if key not in self._clients:
+            self._clients[key] = RpcClient(instance.address, SERVICES[instance.role])
+        return self._clients[key]
+
+    def counts(self) -> dict[str, int]:
+        return {role: len(v) for role, v in self.live.items()}

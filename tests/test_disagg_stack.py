@@ -1,0 +1,234 @@
+"""End to end: router -> prefill -> NIXL -> 2 decode processes, a real redis-server, the official
+`openai` client. Disaggregated output must equal `pdserve.LLM` offline, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.registry import InstanceRegistry
+from tests.stack import Stack
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "你好，世界",
+    "Once upon a time, in a land far away",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    s = Stack(tiny_model_dir, tmp_path_factory.mktemp("stack")).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def metric(stack: Stack, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{stack.url}/metrics").text
+    pattern = rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$"
+    values = [float(m.group(1)) for m in re.finditer(pattern, text, re.M)]
+    return sum(values)
+
+
+def greedy(offline: LLM, prompt: str | list[int], max_tokens: int = MAX_TOKENS) -> str:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return offline.generate(prompt, params)[0].text
+
+
+def test_completions_equal_offline(stack: Stack, client: openai.OpenAI, offline: LLM) -> None:
+    extra = {"ignore_eos": True}
+    for prompt in PROMPTS:
+        expected = greedy(offline, prompt)
+        plain = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+        )
+        assert plain.choices[0].text == expected
+        assert plain.usage.completion_tokens == MAX_TOKENS
+        assert plain.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
+        chunks = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body=extra
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert metric(stack, "pdserve:transfer_bytes_count") >= 2 * len(PROMPTS), "state must cross by NIXL"
+
+
+def test_chat_equals_offline(client: openai.OpenAI, offline: LLM) -> None:
+    messages = [{"role": "user", "content": "Write a haiku about GPUs."}]
+    expected = greedy(offline, offline.tokenizer.apply_chat_template(messages))
+    extra = {"ignore_eos": True}
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+    )
+    assert reply.choices[0].message.content == expected
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+async def one_stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> tuple[str, object]:
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            usage = chunk.usage
+    return text, usage
+
+
+def test_concurrent_burst_is_packed_and_spread(stack: Stack, offline: LLM) -> None:
+    prompts = [("word " * (1 + 7 * i)).strip() for i in range(32)]
+    lengths = [4 + i % 9 for i in range(32)]
+    batches_before = metric(stack, "pdserve:prefill_batch_size_count")
+    requests_before = metric(stack, "pdserve:prefill_batch_size_sum")
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(
+                *(one_stream(client, p, n) for p, n in zip(prompts, lengths, strict=True))
+            )
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    for prompt, n, (text, usage) in zip(prompts, lengths, results, strict=True):
+        assert usage.completion_tokens == n
+        assert usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
+        assert text == greedy(offline, prompt, n)
+    batches = metric(stack, "pdserve:prefill_batch_size_count") - batches_before
+    requests = metric(stack, "pdserve:prefill_batch_size_sum") - requests_before
+    assert requests == 32 and batches < 32, f"32 requests went out in {batches} bursts: none was packed"
+    for i in range(2):
+        assert metric(stack, "pdserve:decode_requests_total", f'{{instance="decode-{i}"}}') > 0
+
+
+def test_all_memory_free_after_load(stack: Stack) -> None:
+    async def loads():
+        registry = InstanceRegistry(stack.redis.url)
+        try:
+            return [i.load for role in ("prefill", "decode") for i in await registry.instances(role)]
+        finally:
+            await registry.close()
+
+    deadline = time.monotonic() + 10
+    while True:
+        found = asyncio.run(loads())
+        leaks = [
+            x
+            for x in found
+            if x["free_kv_pages"] != x["kv_pages"] or x["free_state_slots"] != x["state_slots"]
+        ]
+        if len(found) == 3 and not leaks:
+            return
+        assert time.monotonic() < deadline, f"memory not freed: {found}"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ("{not json", 400),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, 400),
+        ({"model": "nope", "prompt": "hi"}, 404),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, 400),
+        ({"model": "tiny", "prompt": "hi " * 600, "max_tokens": 4}, 400),
+    ],
+)
+def test_bad_input_gets_openai_errors(stack: Stack, body, status) -> None:
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{stack.url}/v1/completions", headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status
+    assert set(r.json()["error"]) >= {"message", "type", "code"}
+    assert httpx.get(f"{stack.url}/v1/unknown").status_code == 404
+    assert httpx.get(f"{stack.url}/health").json()["decode"] == 2
+
+
+def test_killed_decode_fails_its_streams_fast(stack: Stack, offline: LLM) -> None:
+    """Runs last: kills decode-1 while streams run on both instances."""
+
+    async def long_stream(client: openai.AsyncOpenAI, i: int, started: asyncio.Event) -> tuple[str, float]:
+        try:
+            stream = await client.completions.create(
+                model="tiny",
+                prompt=f"story {i}",
+                max_tokens=400,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    started.set()
+            return "ok", time.monotonic()
+        except (openai.APIError, httpx.HTTPError) as e:
+            return f"error: {e}", time.monotonic()
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(long_stream(client, i, started)) for i in range(8)]
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.sleep(0.5)
+        killed_at = time.monotonic()
+        stack.kill("decode-1")
+        done, _ = await asyncio.wait(tasks, timeout=90)
+        await client.close()
+        return [t.result() for t in done], killed_at
+
+    outcomes, killed_at = asyncio.run(scenario())
+    assert len(outcomes) == 8, "every stream must end (no hang)"
+    errors = [(o, t) for o, t in outcomes if o.startswith("error")]
+    assert errors and len(errors) < 8, f"outcomes: {outcomes}"
+    assert all("decode" in o for o, _ in errors), errors
+    assert max(t for _, t in errors) - killed_at < 5.0, (
+        "clients of the dead instance must hear within seconds"
+    )
+    # new requests go to the live instance
+    expected = greedy(offline, "after the crash", 8)
+    c = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
+    for _ in range(3):
+        out = c.completions.create(
+            model="tiny",
+            prompt="after the crash",
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert out.choices[0].text == expected
