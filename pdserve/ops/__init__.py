@@ -1,0 +1,243 @@
+"""The ops of the hybrid model behind one interface: GDN linear attention, causal conv1d, paged attention.
+
+Packed tokens: `T` tokens of `N` sequences, sequence `n` is tokens `cu_seqlens[n]:cu_seqlens[n+1]`
+(int32 `[N+1]`). The ops read and write the state pools in place (see docs/architecture.md): GDN
+state through `slot_ids` (int64 `[N]`, distinct), K/V through `slot_mapping` and `block_tables`.
+
+Every op checks shapes and index dtypes (metadata only, no host sync) and raises `ValueError` on a
+mismatch, then hands the call to the implementation for the tensors' device (`_implementation`).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pdserve.ops import reference
+
+__all__ = [
+    "causal_conv1d_prefill",
+    "causal_conv1d_step",
+    "gdn_chunk_prefill",
+    "gdn_recurrent_step",
+    "paged_attention",
+    "store_kv",
+]
+
+
+def _implementation(x: torch.Tensor) -> ModuleType:
+    """The module that runs an op on `x`'s device.
+
+    The CPU reference runs everywhere for now (plain torch: on cuda tensors it is correct but slow).
+    GPU kernels go here: when `x.is_cuda`, return a module with the same six functions built on
+    flash-linear-attention (chunk / fused-recurrent gated delta rule), causal-conv1d and a paged
+    attention kernel. The checks in this file stay shared by both.
+    """
+    return reference
+
+
+class _Shapes:
+    """Checks tensors against named dims ("T Hk Dk"); a name is fixed by the first tensor that has it
+    (or by `fix`), and a digit string is a literal size."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.sizes: dict[str, int] = {}
+
+    def __call__(self, name: str, x: torch.Tensor, dims: str, dtype: torch.dtype | None = None) -> None:
+        names = dims.split()
+        if x.dim() != len(names):
+            raise ValueError(f"{self.op}: {name} must be [{', '.join(names)}], got shape {list(x.shape)}")
+        for dim, size in zip(names, x.shape, strict=True):
+            expected = int(dim) if dim.isdigit() else self.sizes.setdefault(dim, size)
+            if size != expected:
+                raise ValueError(
+                    f"{self.op}: {name} has {dim}={size} but {dim}={expected} elsewhere "
+                    f"(shape {list(x.shape)}, expected [{', '.join(names)}])"
+                )
+        if dtype is not None and x.dtype != dtype:
+            raise ValueError(f"{self.op}: {name} must be {dtype}, got {x.dtype}")
+
+    def fix(self, dim: str, size: int) -> None:
+        self.sizes[dim] = size
+
+    def multiple(self, dim: str, of: str) -> None:
+        size, of_size = self.sizes[dim], self.sizes[of]
+        if size % of_size:
+            raise ValueError(f"{self.op}: {dim}={size} must be a multiple of {of}={of_size}")
+
+
+def _check_gdn(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    tokens: str,
+    sequences: str,
+) -> _Shapes:
+    shapes = _Shapes(op)
+    shapes("q", q, f"{tokens} Hk Dk")
+    shapes("k", k, f"{tokens} Hk Dk")
+    shapes("v", v, f"{tokens} Hv Dv")
+    shapes("g", g, f"{tokens} Hv")
+    shapes("beta", beta, f"{tokens} Hv")
+    shapes("recurrent_pool", recurrent_pool, "S Hv Dk Dv")
+    shapes.multiple("Hv", of="Hk")
+    shapes("slot_ids", slot_ids, sequences, torch.int64)
+    return shapes
+
+
+def gdn_chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    recurrent_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Gated delta rule over packed sequences, chunked; each sequence starts from its slot's state.
+
+    q, k: [T, Hk, Dk] raw (l2-normalised here, in fp32; q then scaled by Dk**-0.5).
+    v: [T, Hv, Dv]; g: [T, Hv] log-decay (<= 0, fp32); beta: [T, Hv]. Hv is a multiple of Hk and
+    value head h reads key head h // (Hv // Hk).
+    cu_seqlens: int32 [N+1]. recurrent_pool: [S, Hv, Dk, Dv] (one layer's slice of the state pool).
+    slot_ids: int64 [N]: sequence n starts from recurrent_pool[slot_ids[n]], and its final state
+    is written back there. Chunks of `chunk_size` tokens restart at each sequence start.
+    Returns o: [T, Hv, Dv] in v's dtype (computed in fp32).
+    """
+    shapes = _check_gdn(
+        "gdn_chunk_prefill", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="T", sequences="N"
+    )
+    shapes.fix("N+1", shapes.sizes["N"] + 1)
+    shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
+    if chunk_size <= 0:
+        raise ValueError(f"gdn_chunk_prefill: chunk_size must be positive, got {chunk_size}")
+    return _implementation(q).gdn_chunk_prefill(
+        q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids, chunk_size
+    )
+
+
+def gdn_recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token per sequence through the gated delta rule (the same maths as the prefill).
+
+    q, k: [B, Hk, Dk] raw; v: [B, Hv, Dv]; g, beta: [B, Hv]; recurrent_pool: [S, Hv, Dk, Dv];
+    slot_ids: int64 [B]: reads recurrent_pool[slot_ids] and writes the new states back in place.
+    Returns o: [B, Hv, Dv] in v's dtype.
+    """
+    _check_gdn("gdn_recurrent_step", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="B", sequences="B")
+    return _implementation(q).gdn_recurrent_step(q, k, v, g, beta, recurrent_pool, slot_ids)
+
+
+def _check_conv(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    tokens: str,
+    sequences: str,
+) -> _Shapes:
+    shapes = _Shapes(op)
+    shapes("x", x, f"{tokens} C")
+    shapes("weight", weight, "C W")
+    shapes.fix("W-1", shapes.sizes["W"] - 1)
+    shapes("conv_pool", conv_pool, "S C W-1")
+    shapes("slot_ids", slot_ids, sequences, torch.int64)
+    return shapes
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU over packed sequences, continuing each slot's history. No bias.
+
+    x: [T, C]; weight: [C, W] (the checkpoint's conv1d.weight [C, 1, W] squeezed);
+    cu_seqlens: int32 [N+1]; conv_pool: [S, C, W-1]: the last W-1 inputs of each slot, oldest
+    first, pre-activation (zeros for a fresh request); slot_ids: int64 [N].
+    Sequence n is convolved as if conv_pool[slot_ids[n]] came right before it; afterwards the slot
+    holds the last W-1 inputs of (history + sequence), so chained calls equal one call.
+    Returns out: [T, C] in x's dtype (computed in fp32).
+    """
+    shapes = _check_conv("causal_conv1d_prefill", x, weight, conv_pool, slot_ids, tokens="T", sequences="N")
+    shapes.fix("N+1", shapes.sizes["N"] + 1)
+    shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
+    return _implementation(x).causal_conv1d_prefill(x, weight, cu_seqlens, conv_pool, slot_ids)
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slot_ids: torch.Tensor
+) -> torch.Tensor:
+    """One token per sequence of the causal conv1d + SiLU.
+
+    x: [B, C]; weight: [C, W]; conv_pool: [S, C, W-1]; slot_ids: int64 [B]: conv_pool[slot_ids]
+    is the history and is shifted by one (x appended, oldest dropped) in place.
+    Returns out: [B, C] in x's dtype.
+    """
+    _check_conv("causal_conv1d_step", x, weight, conv_pool, slot_ids, tokens="B", sequences="B")
+    return _implementation(x).causal_conv1d_step(x, weight, conv_pool, slot_ids)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the K/V of T tokens into their pages.
+
+    k, v: [T, Hkv, D]; kv_layer: [2, P, page_size, Hkv, D], contiguous (one layer of the KV pool:
+    index 0 K, 1 V); slot_mapping: int64 [T], flat slot = page * page_size + offset.
+    """
+    shapes = _Shapes("store_kv")
+    shapes("k", k, "T Hkv D")
+    shapes("v", v, "T Hkv D")
+    shapes("kv_layer", kv_layer, "2 P page_size Hkv D")
+    shapes("slot_mapping", slot_mapping, "T", torch.int64)
+    if not kv_layer.is_contiguous():
+        raise ValueError("store_kv: kv_layer must be contiguous (a layer slice of the pool)")
+    _implementation(k).store_kv(k, v, kv_layer, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal softmax attention of packed queries over paged K/V, with grouped KV heads.
+
+    q: [T, H, D]; kv_layer: [2, P, page_size, Hkv, D]; H is a multiple of Hkv and query head h
+    reads kv head h // (H // Hkv). cu_seqlens_q: int32 [N+1], at least one query per sequence.
+    seq_lens: int32 [N]: each sequence's context length including its new tokens, whose K/V are
+    already stored. block_tables: int32 [N, max_pages]: the pages of each sequence in order
+    (entries past its last page are ignored but must be valid page indices).
+    Query i of sequence n (q_len tokens) sits at position seq_lens[n] - q_len + i and attends to
+    key positions 0..that position. T == N means decode (one query each) and takes a batched path.
+    Returns o: [T, H, D] in q's dtype (softmax in fp32).
+    """
+    shapes = _Shapes("paged_attention")
+    shapes("q", q, "T H D")
+    shapes("kv_layer", kv_layer, "2 P page_size Hkv D")
+    shapes.multiple("H", of="Hkv")
+    shapes("seq_lens", seq_lens, "N", torch.int32)
+    shapes.fix("N+1", shapes.sizes["N"] + 1)
+    shapes("cu_seqlens_q", cu_seqlens_q, "N+1", torch.int32)
+    shapes("block_tables", block_tables, "N max_pages", torch.int32)
+    return _implementation(q).paged_attention(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale)
