@@ -1,0 +1,92 @@
+"""Command-line flags of an engine process, shared by `pdserve up`, `prefill` and `decode`.
+
+Engine flags carry `vllm serve`'s names. Their parser defaults are None, meaning "the
+`EngineConfig` default": `EngineConfig` stays the one place defaults live, and `pdserve up`
+passes on to its children only what the user set (`engine_argv`).
+
+    add_engine_arguments(parser)   --model --device --dtype --load-format --seed --max-num-seqs
+                                   --max-model-len --max-num-batched-tokens
+                                   --gpu-memory-utilization --served-model-name --host --port
+    engine_config_from_args(args)  -> EngineConfig
+
+`pdserve.launcher` re-exports both (the services import them from there).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.config import EngineConfig
+
+# flag -> (EngineConfig field, type); --model, --device and --served-model-name are handled apart
+ENGINE_FLAGS: dict[str, tuple[str, type]] = {
+    "--dtype": ("dtype", str),
+    "--load-format": ("load_format", str),
+    "--seed": ("seed", int),
+    "--max-num-seqs": ("max_num_seqs", int),
+    "--max-model-len": ("max_model_len", int),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float),
+}
+_HELP = {
+    "--dtype": "model dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16",
+    "--load-format": "auto (safetensors) or dummy (random weights, for benchmarks)",
+    "--seed": "seed of the dummy weights (--load-format dummy)",
+    "--max-num-seqs": "most sequences running at once",
+    "--max-model-len": "longest prompt + output, in tokens",
+    "--max-num-batched-tokens": "most tokens in one engine step",
+    "--gpu-memory-utilization": "share of GPU memory the process may use, in (0, 1]",
+}
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, host: str = "0.0.0.0", port: int = 0, model_required: bool = True
+) -> None:
+    """The engine flags (vllm serve's names; unset ones are None = the EngineConfig default),
+    and where the process listens (`--port 0`: any free port)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", required=model_required, default=None, metavar="DIR", help="checkpoint folder"
+    )
+    group.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    for flag, (_name, kind) in ENGINE_FLAGS.items():
+        group.add_argument(flag, type=kind, default=None, help=_HELP[flag])
+    group.add_argument(
+        "--served-model-name", default=None, metavar="NAME", help="model name in the API (default: --model)"
+    )
+    group.add_argument("--host", default=host, help=f"address to listen on (default {host})")
+    group.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
+
+
+def resolve_device(device: str | None) -> str:
+    """`device`, or "cuda" when torch sees a GPU and "cpu" otherwise."""
+    if device is not None:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The `EngineConfig` of the flags of `add_engine_arguments` (unset flags keep its defaults)."""
+    from pdserve.config import EngineConfig
+
+    if args.model is None:
+        raise ValueError("--model is required")
+    kwargs = {name: getattr(args, name) for name, _kind in ENGINE_FLAGS.values()}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    return EngineConfig(model=args.model, device=resolve_device(args.device), **kwargs)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags that were set, as command-line arguments (for a child process).
+    `--model` and `--device` are left out: the caller passes them resolved."""
+    argv: list[str] = []
+    for flag, (name, _kind) in ENGINE_FLAGS.items():
+        if getattr(args, name) is not None:
+            argv += [flag, str(getattr(args, name))]
+    if args.served_model_name is not None:
+        argv += ["--served-model-name", args.served_model_name]
+    return argv
