@@ -26,9 +26,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "make-tiny": Command("pdserve.tiny", "write a deterministic tiny random Qwen3.6-class checkpoint"),
-    "up": Command(
-        "pdserve.launcher", "start Redis, prefill and decode services and the router on this machine"
-    ),
+    "up": Command("pdserve.launcher", "start Redis, prefill and decode services and a router here"),
     "router": Command("router.server", "the OpenAI-compatible HTTP router"),
     "prefill": Command("prefill_svc.server", "a gRPC prefill service instance"),
     "decode": Command("decode_svc.server", "a gRPC decode service instance"),
