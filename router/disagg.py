@@ -58,6 +58,9 @@ class DisaggBackend:
         self._xfer_seconds = metrics.histogram(
             "transfer_seconds", "State transfer time per request", SECONDS_BUCKETS
         )
+        self._decoded = metrics.counter(
+            "decode_requests", "Requests sent to each decode instance", ["instance"]
+        )
 
     def max_model_len(self) -> int:
         return self._max_model_len
