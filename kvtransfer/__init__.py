@@ -1,0 +1,36 @@
+"""Moving a request's KV pages and GDN states from a prefill instance to a decode instance.
+
+`TransferAgent` (NIXL/UCX) is the real backend, `LocalCopyAgent` an in-process stand-in for tests;
+both follow `BaseTransferAgent`. `RequestPayload` says where a prefilled request's data lies.
+"""
+
+from kvtransfer.agent import TransferAgent
+from kvtransfer.base import BaseTransferAgent, TransferHandle, TransferState, TransferStats
+from kvtransfer.compat import (
+    PROTOCOL_VERSION,
+    IncompatiblePeerError,
+    TransferEndpoint,
+    compat_hash,
+    model_identity,
+)
+from kvtransfer.layout import POOL_UNIT_DIMS, PoolSpec
+from kvtransfer.local import LocalCopyAgent
+from kvtransfer.payload import RequestPayload, pool_units
+
+__all__ = [
+    "POOL_UNIT_DIMS",
+    "PROTOCOL_VERSION",
+    "BaseTransferAgent",
+    "IncompatiblePeerError",
+    "LocalCopyAgent",
+    "PoolSpec",
+    "RequestPayload",
+    "TransferAgent",
+    "TransferEndpoint",
+    "TransferHandle",
+    "TransferState",
+    "TransferStats",
+    "compat_hash",
+    "model_identity",
+    "pool_units",
+]
