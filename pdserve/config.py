@@ -63,12 +63,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; pdserve serves {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+            raise ValueError(f"unsupported model_type {self.model_type!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+                f"layer_types has {len(self.layer_types)} entries, "
+                f"num_hidden_layers is {self.num_hidden_layers}"
             )
         bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
         if bad:

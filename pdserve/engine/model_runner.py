@@ -15,6 +15,7 @@ from pdserve.weights import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 256 << 20
+ACTIVATION_RESERVE_BYTES = 4 << 30  # a prefill pass's activations (and, later, CUDA graphs)
 
 
 class ModelRunner:
@@ -22,9 +23,13 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         cfg = config.model_config
-        with torch.device(self.device):
-            model = Qwen3MoeHybrid(cfg, max_positions=config.max_model_len)
-        model.to(dtype=config.dtype)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)  # parameters are born in the model dtype, on the device
+        try:
+            with torch.device(self.device):
+                model = Qwen3MoeHybrid(cfg, max_positions=config.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
         model.rotary.to(dtype=torch.float32)  # the cos/sin tables stay fp32, like the reference
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)
@@ -46,9 +51,12 @@ class ModelRunner:
                 raise ValueError(f"num_kv_pages {c.num_kv_pages} cannot hold max_model_len {c.max_model_len}")
             return c.num_kv_pages
         if self.device.type == "cuda":
+            # like vLLM: this instance may fill `gpu_memory_utilization` of the whole device,
+            # counting what is already in use (weights, state pool, other processes)
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            reserve = total * (1 - c.gpu_memory_utilization) + (2 << 30)  # activations and graphs
-            pages = int((free - reserve) // per_page)
+            budget = total * c.gpu_memory_utilization - (total - free) - ACTIVATION_RESERVE_BYTES
+            pages = int(budget // per_page)
         else:
             pages = min(c.max_num_seqs * floor, CPU_KV_BUDGET_BYTES // per_page)
         if pages < floor:
