@@ -93,6 +93,22 @@ def test_chat_equals_offline(client: openai.OpenAI, offline: LLM) -> None:
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_seeded_sampling_equals_offline(client: openai.OpenAI, offline: LLM) -> None:
+    """The decode instance continues the seeded random stream the prefill instance started."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=16, ignore_eos=True)
+    expected = offline.generate("A seeded story:", params)[0].text
+    reply = client.completions.create(
+        model="tiny",
+        prompt="A seeded story:",
+        max_tokens=16,
+        temperature=0.9,
+        top_p=0.95,
+        seed=42,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].text == expected
+
+
 async def one_stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> tuple[str, object]:
     stream = await client.completions.create(
         model="tiny",

@@ -56,7 +56,8 @@ def test_packed_prefill_and_decode_match_transformers(llm: LLM, hf_model) -> Non
         greedy = [
             SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (16, 5, 16, 9, 16, 12)
         ]
-        # Four prompts share the first packed pass; two more join after three decode steps.
+        # Four prompts share the first packed pass (then up to 16 decode steps); two more join
+        # after three decode steps; requests finish at different steps.
         for i in range(4):
             engine.add_request(prompts[i], greedy[i], request_id=f"r{i}")
         outputs = {}

@@ -11,7 +11,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.sampling.params import SamplingParams
-from pdserve.sampling.sampler import Sampler, SamplerOutput, SamplingState, make_generator
+from pdserve.sampling.sampler import Sampler, SamplerOutput, SamplingState, make_generator, replay_draws
 from pdserve.sampling.stop import StopChecker
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -145,6 +145,7 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.output_token_ids.append(first_token)
         seq.stop_checker.append(first_token)  # replays the prefill side's detokenizer state
+        replay_draws(seq.sampling, self.model_config.vocab_size, 1, self.runner.device)
         self.requests[seq.request_id] = seq
         self.scheduler.add_running(seq)
 

@@ -28,6 +28,15 @@ from torch import Tensor
 from pdserve.sampling.params import SamplingParams
 
 
+def replay_draws(state: SamplingState, vocab_size: int, num_tokens: int, device: torch.device | str) -> None:
+    """Advance a seeded request's generator past the draws of `num_tokens` tokens sampled
+    elsewhere (a prefill instance), so it continues the random stream one process would have."""
+    if state.generator is None or state.params.greedy:
+        return
+    for _ in range(num_tokens):
+        torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=state.generator)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator on `device` seeded with `seed`: one per seeded request, created once."""
     generator = torch.Generator(device=device)
