@@ -198,6 +198,7 @@ class EngineConfig:
     num_state_slots: int | None = None  # None: max_num_seqs
     gpu_memory_utilization: float = 0.9
     recurrent_state_dtype: str | torch.dtype = "float32"
+    enforce_eager: bool = False  # True: no CUDA graphs for decode (vLLM's flag)
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:

@@ -117,8 +117,8 @@ class PrefillService:
             "held": len(self.held),
             "free_kv_pages": runner.kv_pool.num_free,
             "free_state_slots": runner.state_pool.num_free,
-            "kv_pages": runner.kv_pool.num_pages,
-            "state_slots": runner.state_pool.num_slots,
+            "kv_pages": runner.kv_pool.num_pages - runner.reserved,
+            "state_slots": runner.state_pool.num_slots - runner.reserved,
         }
 
     # ---- on the engine thread

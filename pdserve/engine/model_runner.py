@@ -7,6 +7,7 @@ import logging
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.memory import GdnStatePool, KvPagePool
 from pdserve.model.forward_batch import ForwardBatch
@@ -36,11 +37,24 @@ class ModelRunner:
         else:
             load_weights(model, config.model, cfg)
         self.model = model.eval()
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.reserved = 1 if use_graphs else 0  # a page and a slot for the graphs' padding rows
         self.state_pool = GdnStatePool(
-            cfg, config.num_state_slots, config.dtype, config.recurrent_state_dtype, self.device
+            cfg,
+            config.num_state_slots + self.reserved,
+            config.dtype,
+            config.recurrent_state_dtype,
+            self.device,
         )
         self.kv_pool = KvPagePool(cfg, self._num_kv_pages(), config.page_size, config.dtype, self.device)
         self.model.bind_pools(self.kv_pool.kv, self.state_pool.conv, self.state_pool.recurrent)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            max_pages = self.kv_pool.pages_for(config.max_model_len)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_pool, self.state_pool, config.max_num_seqs, max_pages
+            )
+            self.graphs.capture()
 
     def _num_kv_pages(self) -> int:
         c = self.config
@@ -49,21 +63,21 @@ class ModelRunner:
         if c.num_kv_pages is not None:
             if c.num_kv_pages < floor:
                 raise ValueError(f"num_kv_pages {c.num_kv_pages} cannot hold max_model_len {c.max_model_len}")
-            return c.num_kv_pages
+            return c.num_kv_pages + self.reserved
         if self.device.type == "cuda":
             # like vLLM: this instance may fill `gpu_memory_utilization` of the whole device,
             # counting what is already in use (weights, state pool, other processes)
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * c.gpu_memory_utilization - (total - free) - ACTIVATION_RESERVE_BYTES
-            pages = int(budget // per_page)
+            pages = int(budget // per_page) - self.reserved
         else:
             pages = min(c.max_num_seqs * floor, CPU_KV_BUDGET_BYTES // per_page)
         if pages < floor:
             raise ValueError(
                 f"memory for {pages} KV pages cannot hold one sequence of max_model_len {c.max_model_len}"
             )
-        return pages
+        return pages + self.reserved
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -79,6 +93,8 @@ class ModelRunner:
             page_size=self.config.page_size,
             device=self.device,
         )
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.replay(batch)
         hidden = self.model(batch)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         index = batch.logits_indices[torch.tensor(rows, dtype=torch.int64, device=self.device)]
