@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.bench_chart import chart_svg
+
 # The text config of Qwen3.6-35B-A3B (what `config.json["text_config"]` holds).
 QWEN36_35B_A3B = {
     "model_type": "qwen3_5_moe_text",
@@ -47,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--out", default=None, help="write results as JSON here")
+    parser.add_argument(
+        "--chart", default=None, help="write an SVG bar chart (vs vLLM and the roofline) here"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def bench_one(llm, concurrency: int, prompt_len: int, output_len: int) -> dict:
@@ -109,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=max_c,
             max_model_len=args.prompt_len + args.output_len + 16,
             max_num_batched_tokens=max(8192, args.prompt_len),
+            enforce_eager=args.enforce_eager,
         )
         bench_one(llm, 1, 32, 4)  # warm-up
         results = []
@@ -118,4 +125,8 @@ def run(args: argparse.Namespace) -> int:
     print("\n" + draw(results))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+    if args.chart:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        title = f"Qwen3.6-35B-A3B shape, {args.prompt_len} -> {args.output_len} tokens, {device}"
+        Path(args.chart).write_text(chart_svg(results, title))
     return 0
