@@ -196,4 +196,6 @@ class PrefillService:
                 self.config.handoff_timeout_s,
             )
             self._release(rid)
-        return False
+        # NIXL completes a decode instance's READ only as this side progresses: poll often
+        # while any request is held for a transfer
+        return bool(self.held)
