@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from kvtransfer import (
     POOL_UNIT_DIMS,
@@ -49,6 +50,9 @@ class DecodeConfig:
     advertise_host: str | None = None
     redis_url: str | None = None
     transfer_timeout_s: float = 10.0
+    # give up on a request that found no memory for this long; must stay below the prefill
+    # side's handoff timeout, after which its copy of the state is gone
+    admission_timeout_s: float = 30.0
     heartbeat_s: float = 1.0
 
 
@@ -64,6 +68,7 @@ class Pending:
     handle: TransferHandle | None = None
     pages: list[int] | None = None
     slot: int | None = None
+    arrived: float = field(default_factory=time.monotonic)
 
 
 class DecodeService:
@@ -160,8 +165,13 @@ class DecodeService:
         for rid, p in list(self.pending.items()):
             if p.handle is None:
                 need = len(p.payload.kv_pages)
-                if need > kv.num_free or states.num_free == 0:
-                    continue  # admission control: wait for memory
+                if need > kv.num_free or states.num_free == 0:  # admission control: wait for memory
+                    if time.monotonic() - p.arrived > self.config.admission_timeout_s:
+                        del self.pending[rid]
+                        self._post(
+                            rid, {"error": f"no memory for {rid} on {self.config.instance_id} in time"}
+                        )
+                    continue
                 p.pages, p.slot = kv.allocate(need), states.allocate()
                 try:
                     p.handle = self.agent.pull(
