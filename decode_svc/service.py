@@ -20,40 +20,26 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvtransfer import (
-    POOL_UNIT_DIMS,
-    RequestPayload,
-    TransferAgent,
-    TransferHandle,
-    TransferState,
-    model_identity,
-)
+from kvtransfer import RequestPayload, TransferHandle, TransferState
 from kvtransfer.payload import pool_units
-from pdserve.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.rpc import RpcClient
 from pdserve.sampling.params import SamplingParams
+from pdserve.serving import ServiceConfig, engine_transfer_agent, load_report
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class DecodeConfig:
+class DecodeConfig(ServiceConfig):
     """The one config object of a decode process."""
 
-    engine: EngineConfig
-    instance_id: str = "decode-0"
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None
-    redis_url: str | None = None
     transfer_timeout_s: float = 10.0
     # give up on a request that found no memory for this long; must stay below the prefill
     # side's handoff timeout, after which its copy of the state is gone
     admission_timeout_s: float = 30.0
-    heartbeat_s: float = 1.0
 
 
 @dataclass(slots=True)
@@ -75,20 +61,7 @@ class DecodeService:
     def __init__(self, config: DecodeConfig) -> None:
         self.config = config
         self.engine = LLMEngine(config.engine)
-        runner = self.engine.runner
-        pools = {
-            "kv": runner.kv_pool.kv,
-            "conv": runner.state_pool.conv,
-            "recurrent": runner.state_pool.recurrent,
-        }
-        self.agent = TransferAgent(
-            config.instance_id,
-            pools,
-            POOL_UNIT_DIMS,
-            model_identity(config.engine.model_config),
-            config.engine.page_size,
-            timeout_s=config.transfer_timeout_s,
-        )
+        self.agent = engine_transfer_agent(self.engine, config.instance_id, config.transfer_timeout_s)
         self.pending: dict[str, Pending] = {}
         self.streams: dict[str, asyncio.Queue] = {}
         self._peers: dict[str, str] = {}  # prefill agent name -> peer name
@@ -105,15 +78,9 @@ class DecodeService:
         self.agent.close()
 
     def load(self) -> dict:
-        s, runner = self.engine.scheduler, self.engine.runner
-        return {
-            "running": len(s.running),
-            "waiting": len(s.waiting) + len(self.pending),
-            "free_kv_pages": runner.kv_pool.num_free,
-            "free_state_slots": runner.state_pool.num_free,
-            "kv_pages": runner.kv_pool.num_pages - runner.reserved,
-            "state_slots": runner.state_pool.num_slots - runner.reserved,
-        }
+        report = load_report(self.engine)
+        report["waiting"] += len(self.pending)
+        return report
 
     # ---- RPC handler
     async def decode(self, msg: dict):

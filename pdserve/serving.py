@@ -7,18 +7,86 @@ serve until a signal -> deregister (routers stop sending work) -> drain calls ->
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from kvtransfer import POOL_UNIT_DIMS, TransferAgent, model_identity
+from pdserve.cli_args import add_engine_arguments, engine_config_from_args
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.registry import InstanceInfo, InstanceRegistry
 from pdserve.rpc import RpcServer, join_host_port
 
 log = logging.getLogger("pdserve.serving")
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """What every service process has; `PrefillConfig` and `DecodeConfig` add their own knobs."""
+
+    engine: EngineConfig
+    instance_id: str = "instance-0"
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    redis_url: str | None = None
+    heartbeat_s: float = 1.0
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--instance-id", default=f"{role}-{socket.gethostname()}")
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--advertise-host", default=None, help="host other processes dial (default: --host)")
+
+
+def service_config_fields(args: argparse.Namespace) -> dict:
+    """The `ServiceConfig` fields of the flags of `add_service_arguments`."""
+    return {
+        "engine": engine_config_from_args(args),
+        "instance_id": args.instance_id,
+        "host": args.host,
+        "port": args.port,
+        "advertise_host": args.advertise_host,
+        "redis_url": args.redis_url,
+    }
+
+
+def engine_transfer_agent(engine: LLMEngine, name: str, timeout_s: float = 30.0) -> TransferAgent:
+    """A NIXL agent with the engine's KV pool and GDN state pools registered."""
+    runner = engine.runner
+    pools = {
+        "kv": runner.kv_pool.kv,
+        "conv": runner.state_pool.conv,
+        "recurrent": runner.state_pool.recurrent,
+    }
+    model = model_identity(engine.config.model_config)
+    return TransferAgent(name, pools, POOL_UNIT_DIMS, model, engine.config.page_size, timeout_s=timeout_s)
+
+
+def load_report(engine: LLMEngine, **extra: int) -> dict:
+    """An instance's load as the registry publishes it."""
+    s, runner = engine.scheduler, engine.runner
+    return {
+        "running": len(s.running),
+        "waiting": len(s.waiting),
+        "free_kv_pages": runner.kv_pool.num_free,
+        "free_state_slots": runner.state_pool.num_free,
+        "kv_pages": runner.kv_pool.num_pages - runner.reserved,
+        "state_slots": runner.state_pool.num_slots - runner.reserved,
+        **extra,
+    }
+
+
+def start_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 class Service(Protocol):
@@ -36,21 +104,17 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
 
 async def run_service(
     role: str,
-    instance_id: str,
+    config: ServiceConfig,
     service: Service,
     server: RpcServer,
-    host: str,
-    port: int,
-    advertise_host: str | None,
-    redis_url: str | None,
-    heartbeat_s: float = 1.0,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or cancellation); `on_ready(address)` once registered."""
+    instance_id, heartbeat_s = config.instance_id, config.heartbeat_s
     service.start()
-    bound = await server.start(host, port)
-    address = join_host_port(advertised_host(host, advertise_host), bound)
-    registry = InstanceRegistry(redis_url) if redis_url else None
+    bound = await server.start(config.host, config.port)
+    address = join_host_port(advertised_host(config.host, config.advertise_host), bound)
+    registry = InstanceRegistry(config.redis_url) if config.redis_url else None
     started = time.time()
 
     def info() -> InstanceInfo:

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 
-from pdserve.launcher import add_engine_arguments, engine_config_from_args
 from pdserve.rpc import RpcServer
-from pdserve.serving import run_service
+from pdserve.serving import add_service_arguments, run_service, service_config_fields, start_logging
 from prefill_svc.service import PrefillConfig, PrefillService
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
-    parser.add_argument("--instance-id", default="prefill-0")
-    parser.add_argument("--redis-url", default=None)
-    parser.add_argument("--advertise-host", default=None, help="host other processes dial (default: --host)")
+    add_service_arguments(parser, "prefill")
     parser.add_argument("--handoff-timeout", type=float, default=60.0, help="free unpulled state after (s)")
 
 
@@ -26,29 +21,10 @@ async def serve(config: PrefillConfig) -> None:
     server.unary("prefill", service.prefill)
     server.unary("endpoint", service.endpoint)
     server.unary("release", service.release)
-    await run_service(
-        "prefill",
-        config.instance_id,
-        service,
-        server,
-        config.host,
-        config.port,
-        config.advertise_host,
-        config.redis_url,
-        config.heartbeat_s,
-    )
+    await run_service("prefill", config, service, server)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = PrefillConfig(
-        engine=engine_config_from_args(args),
-        instance_id=args.instance_id,
-        host=args.host,
-        port=args.port,
-        advertise_host=args.advertise_host,
-        redis_url=args.redis_url,
-        handoff_timeout_s=args.handoff_timeout,
-    )
-    asyncio.run(serve(config))
+    start_logging()
+    asyncio.run(serve(PrefillConfig(**service_config_fields(args), handoff_timeout_s=args.handoff_timeout)))
     return 0

@@ -18,28 +18,21 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-from kvtransfer import POOL_UNIT_DIMS, RequestPayload, TransferAgent, model_identity
-from pdserve.config import EngineConfig
+from kvtransfer import RequestPayload
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling.params import SamplingParams
+from pdserve.serving import ServiceConfig, engine_transfer_agent, load_report
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class PrefillConfig:
+class PrefillConfig(ServiceConfig):
     """The one config object of a prefill process."""
 
-    engine: EngineConfig
-    instance_id: str = "prefill-0"
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None
-    redis_url: str | None = None
     handoff_timeout_s: float = 60.0
-    heartbeat_s: float = 1.0
 
 
 @dataclass(slots=True)
@@ -52,19 +45,7 @@ class PrefillService:
     def __init__(self, config: PrefillConfig) -> None:
         self.config = config
         self.engine = LLMEngine(config.engine)
-        runner = self.engine.runner
-        pools = {
-            "kv": runner.kv_pool.kv,
-            "conv": runner.state_pool.conv,
-            "recurrent": runner.state_pool.recurrent,
-        }
-        self.agent = TransferAgent(
-            config.instance_id,
-            pools,
-            POOL_UNIT_DIMS,
-            model_identity(config.engine.model_config),
-            config.engine.page_size,
-        )
+        self.agent = engine_transfer_agent(self.engine, config.instance_id)
         self.held: dict[str, HeldRequest] = {}
         self._futures: dict[str, asyncio.Future] = {}
         self._seqs: dict[str, Sequence] = {}
@@ -110,16 +91,7 @@ class PrefillService:
         return {"released": await self.thread.call(self._release, msg["request_id"])}
 
     def load(self) -> dict:
-        s, runner = self.engine.scheduler, self.engine.runner
-        return {
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            "held": len(self.held),
-            "free_kv_pages": runner.kv_pool.num_free,
-            "free_state_slots": runner.state_pool.num_free,
-            "kv_pages": runner.kv_pool.num_pages - runner.reserved,
-            "state_slots": runner.state_pool.num_slots - runner.reserved,
-        }
+        return load_report(self.engine, held=len(self.held))
 
     # ---- on the engine thread
     def _admit(self, requests: list[dict]) -> dict[str, str]:
