@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +32,14 @@ class EngineThread:
         on_error: Callable[[list[str], str], None],
         tick: Callable[[], bool] | None = None,
         idle_s: float = 0.002,
+        on_step: Callable[[float], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
         self.on_error = on_error
         self.tick = tick or (lambda: False)
         self.idle_s = idle_s
+        self.on_step = on_step or (lambda seconds: None)
         self._calls: queue.SimpleQueue[
             tuple[Callable, tuple, Callable[[Any, BaseException | None], None]]
         ] = queue.SimpleQueue()
@@ -106,6 +109,7 @@ class EngineThread:
             return False
 
     def _safe_step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -113,7 +117,8 @@ class EngineThread:
             failed = list(self.engine.requests)
             for request_id in failed:
                 self.engine.abort(request_id)
-            self.on_error(failed, f"engine step failed: {e}")
+            self.on_error(failed, f"engine step failed: {type(e).__name__}: {e}")
             return
+        self.on_step(time.perf_counter() - start)
         if outputs:
             self.on_outputs(outputs)
