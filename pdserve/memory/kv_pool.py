@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from pdserve.config import ModelConfig
@@ -10,7 +12,8 @@ from pdserve.config import ModelConfig
 class KvPagePool:
     """`kv`: [num_attn_layers, 2, num_pages, page_size, Hkv, D], one tensor for every layer.
 
-    Pages are handed out from a free list; a request's pages form its block table.
+    Pages are handed out lowest first (a heap), so a request's block table tends to be runs of
+    consecutive pages: a transfer then moves one block per run instead of one per page.
     """
 
     def __init__(
@@ -22,7 +25,7 @@ class KvPagePool:
         self.num_pages = num_pages
         shape = (len(cfg.attn_layer_ids), 2, num_pages, *cfg.kv_page_shape(page_size))
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = list(range(num_pages))  # a heap
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -39,9 +42,10 @@ class KvPagePool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"KV pool has {len(self._free)} free pages, {n} requested")
-        return [self._free.pop() for _ in range(n)]
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        for page in pages:
+            heapq.heappush(self._free, page)
         if len(self._free) > self.num_pages:
             raise RuntimeError("KV pages freed twice")
