@@ -27,13 +27,13 @@ __all__ = [
 
 
 def _implementation(x: torch.Tensor) -> ModuleType:
-    """The module that runs an op on `x`'s device.
+    """The module that runs an op on `x`'s device: the Triton / flash-linear-attention kernels of
+    `pdserve.ops.cuda` on CUDA (imported on first use, so CPU machines need neither), the plain
+    torch reference elsewhere. The checks in this file stay shared by both."""
+    if x.is_cuda:
+        from pdserve.ops import cuda
 
-    The CPU reference runs everywhere for now (plain torch: on cuda tensors it is correct but slow).
-    GPU kernels go here: when `x.is_cuda`, return a module with the same six functions built on
-    flash-linear-attention (chunk / fused-recurrent gated delta rule), causal-conv1d and a paged
-    attention kernel. The checks in this file stay shared by both.
-    """
+        return cuda
     return reference
 
 

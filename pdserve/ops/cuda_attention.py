@@ -1,0 +1,219 @@
+"""Paged GQA attention on CUDA: Triton kernels that read K/V straight from the pages.
+
+Decode (one query per sequence) is split-KV flash decoding: each (sequence, KV head, split)
+program scores the whole query-head group against its share of the context, and a second kernel
+merges the splits by their log-sum-exp; no host sync. Prefill (packed, possibly continuing an
+earlier context) is a causal flash-attention kernel over (query block, sequence, head); it reads
+the longest query length from the host once. Shapes are those of `pdserve.ops.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.ops.reference import store_kv
+
+__all__ = ["paged_attention", "store_kv"]
+
+_DECODE_BLOCK_N = 32
+_MIN_SPLIT_TOKENS = 64  # small batches split long contexts further, to fill the SMs
+_TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table,
+    scale, split_tokens,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + n)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, seq_len)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + n * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < GROUP)[:, None], other=0.0)  # fmt: skip
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for block in range(start, end, BLOCK_N):
+        offs_n = block + tl.arange(0, BLOCK_N)
+        in_ctx = offs_n < end
+        page = tl.load(table_ptr + n * stride_table + offs_n // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        rows = page * stride_kp + (offs_n % PAGE) * stride_ks + kv_head * stride_kh
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(in_ctx[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
+    part = (n * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+    keep = offs_g < GROUP
+    tl.store(part_o_ptr + part[:, None] * D + offs_d[None, :], out, mask=keep[:, None])
+    tl.store(part_lse_ptr + part, lse, mask=keep)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D)
+    base = (n * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, axis=0))
+    parts = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
+                    mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)  # fmt: skip
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(o_ptr + n * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+def _paged_decode(
+    q: torch.Tensor, kv_layer: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [N, H, D] -> [N, H, D]. The split count depends only on shapes (N, block table width), so a
+    captured graph replays it for any context lengths."""
+    num_seqs, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    max_tokens = block_tables.shape[1] * page_size
+    wanted = triton.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    num_splits = max(1, min(wanted, triton.cdiv(max_tokens, _MIN_SPLIT_TOKENS)))
+    split_tokens = triton.cdiv(triton.cdiv(max_tokens, num_splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+    num_splits = triton.cdiv(max_tokens, split_tokens)
+    part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    keys, values = kv_layer[0], kv_layer[1]
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, keys, values, block_tables, seq_lens, part_o, part_lse,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
+        scale, split_tokens,
+        NUM_SPLITS=num_splits, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
+        PAGE=page_size, BLOCK_N=_DECODE_BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part_o, part_lse, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), D=head_dim,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
+    scale,
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    m_block = tl.program_id(0)
+    n = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(cu_q_ptr + n)
+    q_len = tl.load(cu_q_ptr + n + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + n)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    valid_m = offs_m < q_len
+    positions = seq_len - q_len + offs_m  # each query's position in its sequence
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=valid_m[:, None], other=0.0)  # fmt: skip
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
+    for block in range(0, end, BLOCK_N):
+        offs_n = block + tl.arange(0, BLOCK_N)
+        in_ctx = offs_n < end
+        page = tl.load(table_ptr + n * stride_table + offs_n // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        rows = page * stride_kp + (offs_n % PAGE) * stride_ks + kv_head * stride_kh
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = in_ctx[None, :] & (offs_n[None, :] <= positions[:, None])
+        s = tl.where(visible, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=valid_m[:, None])  # fmt: skip
+
+
+def _paged_prefill(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D] packed -> [T, H, D]; one host read (the longest query run) sizes the grid."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    block_m = 64 if q.element_size() <= 2 else 32
+    out = torch.empty_like(q)
+    keys, values = kv_layer[0], kv_layer[1]
+    grid = (triton.cdiv(max_q_len, block_m), seq_lens.shape[0], num_heads)
+    _prefill_kernel[grid](
+        q, keys, values, out, block_tables, seq_lens, cu_seqlens_q,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), scale,
+        GROUP=num_heads // num_kv_heads, D=head_dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=32,
+        IEEE=q.dtype == torch.float32, num_warps=8, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D] (D a power of two >= 16); kv_layer [2, P, page_size, Hkv, D] -> o [T, H, D]."""
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, sync-free
+        return _paged_decode(q, kv_layer, seq_lens, block_tables, scale)
+    return _paged_prefill(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale)

@@ -1,0 +1,152 @@
+"""Depthwise causal conv1d + SiLU on CUDA: Triton kernels for the packed prefill (reading each
+sequence's history from its slot) and for the decode step (shifting the history in place).
+
+Shapes and semantics are those of `pdserve.ops.causal_conv1d_prefill` / `causal_conv1d_step`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr, w_ptr, pool_ptr, slot_ptr, seq_ptr, cu_ptr, out_ptr,
+    T, C, stride_xt, stride_wc, stride_ps, stride_ot,
+    HIST: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """A [BT tokens, BC channels] tile: each input W-1 rows back comes from x inside the token's own
+    sequence, else from its slot's history (read only: the caller rewrites the history afterwards)."""
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask_t = offs_t < T
+    mask_c = offs_c < C
+    seq = tl.load(seq_ptr + offs_t, mask=mask_t, other=0)
+    start = tl.load(cu_ptr + seq, mask=mask_t, other=0)
+    slot = tl.load(slot_ptr + seq, mask=mask_t, other=0).to(tl.int64)
+    acc = tl.zeros([BT, BC], tl.float32)
+    for j in tl.static_range(HIST + 1):
+        pos = offs_t - HIST + j
+        from_x = pos >= start
+        x = tl.load(x_ptr + pos.to(tl.int64)[:, None] * stride_xt + offs_c[None, :],
+                    mask=(mask_t & from_x)[:, None] & mask_c[None, :], other=0.0)  # fmt: skip
+        back = HIST + pos - start  # index into the history, for the inputs before the sequence
+        h = tl.load(pool_ptr + slot[:, None] * stride_ps + offs_c[None, :] * HIST + back[:, None],
+                    mask=(mask_t & ~from_x)[:, None] & mask_c[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + offs_c * stride_wc + j, mask=mask_c, other=0.0).to(tl.float32)
+        acc += tl.where(from_x[:, None], x.to(tl.float32), h.to(tl.float32)) * w[None, :]
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_c[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])  # fmt: skip
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, C]; weight [C, W]; cu_seqlens int32 [N+1]; conv_pool [S, C, W-1] (each slot's [C, W-1]
+    contiguous); slot_ids int64 [N] -> out [T, C] in x's dtype. Sync-free: one Triton launch for the
+    outputs, then each slot's new history (the last W-1 inputs of history + sequence) in torch."""
+    num_tokens, channels = x.shape
+    history_len = conv_pool.shape[2]
+    if conv_pool.stride(2) != 1 or conv_pool.stride(1) != history_len:
+        raise ValueError("causal_conv1d_prefill: each slot's [C, W-1] history must be contiguous")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    device = x.device
+    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    out = torch.empty(num_tokens, channels, dtype=x.dtype, device=device)
+    if num_tokens == 0:
+        return out
+    seq_of_token = torch.searchsorted(ends, torch.arange(num_tokens, device=device), right=True)
+    block_t, block_c = 32, 128
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
+    _conv_prefill_kernel[grid](
+        x, weight, conv_pool, slot_ids, seq_of_token, cu_seqlens, out,
+        num_tokens, channels, x.stride(0), weight.stride(0), conv_pool.stride(0), out.stride(0),
+        HIST=history_len, BT=block_t, BC=block_c,
+    )  # fmt: skip
+    # the last W-1 inputs of (history + sequence): from x where inside the sequence, else old history
+    positions = ends[:, None] - history_len + torch.arange(history_len, device=device)  # [N, W-1]
+    from_x = (positions >= starts[:, None])[:, None, :]
+    recent = x[positions.clamp(min=0)].transpose(1, 2).to(conv_pool.dtype)  # [N, C, W-1]
+    old_index = (history_len + positions - starts[:, None]).clamp(0, history_len - 1)
+    old = conv_pool.index_select(0, slot_ids).gather(2, old_index[:, None, :].expand(-1, channels, -1))
+    conv_pool.index_copy_(0, slot_ids, torch.where(from_x, recent, old))
+    return out
+
+
+@triton.jit
+def _conv_step_kernel(
+    x_ptr,
+    w_ptr,
+    pool_ptr,
+    slot_ptr,
+    out_ptr,
+    stride_xb,
+    stride_wc,
+    stride_ps,
+    stride_ob,
+    C,
+    HIST: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """One (sequence, block of BC channels): out = silu(w . [history, x]); history <- [history[1:], x]."""
+    b = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = offs_c < C
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    hist_ptrs = pool_ptr + slot * stride_ps + offs_c * HIST
+    x = tl.load(x_ptr + b * stride_xb + offs_c, mask=mask, other=0.0)
+    acc = x.to(tl.float32) * tl.load(w_ptr + offs_c * stride_wc + HIST, mask=mask, other=0.0).to(tl.float32)
+    prev = tl.load(hist_ptrs, mask=mask, other=0.0)
+    for j in tl.static_range(HIST):
+        w_j = tl.load(w_ptr + offs_c * stride_wc + j, mask=mask, other=0.0).to(tl.float32)
+        acc += prev.to(tl.float32) * w_j
+        if j + 1 < HIST:
+            nxt = tl.load(hist_ptrs + j + 1, mask=mask, other=0.0)
+            tl.store(hist_ptrs + j, nxt, mask=mask)
+            prev = nxt
+    tl.store(hist_ptrs + HIST - 1, x.to(pool_ptr.dtype.element_ty), mask=mask)
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + b * stride_ob + offs_c, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slot_ids: torch.Tensor
+) -> torch.Tensor:
+    """x [B, C]; weight [C, W]; conv_pool [S, C, W-1] (each slot's [C, W-1] contiguous);
+    slot_ids int64 [B] -> out [B, C] in x's dtype. One sync-free launch; the history moves in place."""
+    batch, channels = x.shape
+    history_len = conv_pool.shape[2]
+    if conv_pool.stride(2) != 1 or conv_pool.stride(1) != history_len:
+        raise ValueError("causal_conv1d_step: each slot's [C, W-1] history must be contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return out
+    block_c = 256
+    grid = (batch, triton.cdiv(channels, block_c))
+    _conv_step_kernel[grid](
+        x,
+        weight,
+        conv_pool,
+        slot_ids,
+        out,
+        x.stride(0),
+        weight.stride(0),
+        conv_pool.stride(0),
+        out.stride(0),
+        channels,
+        HIST=history_len,
+        BC=block_c,
+    )
+    return out

@@ -1,0 +1,191 @@
+"""Gated DeltaNet on CUDA: chunked prefill through flash-linear-attention, decode through a Triton
+kernel that updates the fp32 states in place in the pool.
+
+Shapes and semantics are those of `pdserve.ops.gdn_chunk_prefill` / `gdn_recurrent_step`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_L2NORM_EPS = 1e-6
+_FLA_CHUNK_SIZES = (16, 32, 64)
+
+
+def _fla_chunk_rule():
+    """fla's `chunk_gated_delta_rule`, imported on first use so CPU machines never need fla."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as err:
+        raise ImportError(
+            "pdserve's CUDA GDN prefill needs flash-linear-attention: pip install fla-core==0.6.0"
+        ) from err
+    return chunk_gated_delta_rule
+
+
+def gdn_chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    recurrent_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int32 [N+1];
+    recurrent_pool [S, Hv, Dk, Dv]; slot_ids int64 [N] -> o [T, Hv, Dv] in v's dtype.
+
+    fla handles Hv = group x Hk natively (value head h reads key head h // group, as here) and
+    l2-normalises q/k inside. The N initial states are gathered from the pool (one copy of N x 2 MiB
+    at the real shape) and the final states scattered back; fla reads cu_seqlens on the host.
+    """
+    rule = _fla_chunk_rule()
+    dtype = v.dtype
+    # fla wants one dtype for q/k/v and a fp32 log-decay; contiguous [1, T, H, D] views.
+    q, k, v = (x.to(dtype).contiguous()[None] for x in (q, k, v))
+    initial = recurrent_pool.index_select(0, slot_ids).float()
+    out, final = rule(
+        q,
+        k,
+        v,
+        g.float().contiguous()[None],
+        beta.to(dtype).contiguous()[None],
+        scale=q.shape[-1] ** -0.5,
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens.long(),
+        chunk_size=chunk_size if chunk_size in _FLA_CHUNK_SIZES else 64,
+    )
+    recurrent_pool.index_copy_(0, slot_ids, final.to(recurrent_pool.dtype))
+    return out[0]
+
+
+@triton.jit
+def _gdn_step_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    slot_ptr,
+    o_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_gb,
+    stride_betab,
+    stride_ss,
+    stride_sh,
+    stride_ob,
+    stride_oh,
+    scale,
+    eps,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """One (sequence, value head, block of BV value columns): the whole [DK, BV] state tile is read
+    once, decayed, delta-updated, read out by q and written back where it was."""
+    pid_bh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    b = pid_bh // HV
+    hv = pid_bh % HV
+    hk = hv // GROUP
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+
+    q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    v = tl.load(v_ptr + b * stride_vb + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + b * stride_gb + hv).to(tl.float32))
+    beta = tl.load(beta_ptr + b * stride_betab + hv).to(tl.float32)
+
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
+    s_mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * decay
+    written = beta * (v - tl.sum(state * k[:, None], axis=0))
+    state = state + k[:, None] * written[None, :]
+    out = tl.sum(state * q[:, None], axis=0)
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(o_ptr + b * stride_ob + hv * stride_oh + offs_v, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gdn_recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    block_v: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """q, k [B, Hk, Dk] raw; v [B, Hv, Dv]; g, beta [B, Hv]; recurrent_pool [S, Hv, Dk, Dv] (each
+    slot's [Hv, Dk, Dv] contiguous); slot_ids int64 [B] -> o [B, Hv, Dv] in v's dtype.
+
+    Sync-free, one launch: B x Hv x Dv/block_v programs, each moving a [Dk, block_v] state tile.
+    """
+    batch, num_k_heads, head_k_dim = k.shape
+    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
+    if recurrent_pool.stride(3) != 1 or recurrent_pool.stride(2) != head_v_dim:
+        raise ValueError("gdn_recurrent_step: each slot's [Hv, Dk, Dv] state must be contiguous")
+    q, k, v, g, beta = (_last_dim_contiguous(x) for x in (q, k, v, g, beta))
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if batch == 0:
+        return out
+    block_v = min(block_v, triton.next_power_of_2(head_v_dim))
+    grid = (batch * num_v_heads, triton.cdiv(head_v_dim, block_v))
+    _gdn_step_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        recurrent_pool,
+        slot_ids,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        recurrent_pool.stride(0),
+        recurrent_pool.stride(1),
+        out.stride(0),
+        out.stride(1),
+        head_k_dim**-0.5,
+        _L2NORM_EPS,
+        HV=num_v_heads,
+        GROUP=num_v_heads // num_k_heads,
+        DK=head_k_dim,
+        DV=head_v_dim,
+        BK=triton.next_power_of_2(head_k_dim),
+        BV=block_v,
+        num_warps=num_warps,
+    )
+    return out

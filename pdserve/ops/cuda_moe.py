@@ -1,0 +1,160 @@
+"""Routed-expert MoE on CUDA, sync-free: the (token, k) pairs are sorted by expert on the device and
+run as grouped GEMMs, either a Triton kernel (fused SiLU-gate, any float dtype) or torch's
+`_grouped_mm` (CUTLASS, bf16 on sm90). Semantics are those of `pdserve.ops.moe.fused_moe`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr,
+    N, K, stride_am, stride_we, stride_wn, stride_cm, top_k,
+    GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_M padded rows (all one expert's) x BLOCK_N output columns.
+
+    GATE_UP: rows gather x[pair // top_k]; out = silu(x W_gate^T) * (x W_up^T), stored by padded row.
+    else: rows read the intermediate by padded row; out = weight[pair] * (h W_down^T), stored by pair.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ptr + offs_p)
+    valid = pairs >= 0
+    if GATE_UP:
+        a_rows = tl.where(valid, pairs // top_k, 0)
+    else:
+        a_rows = offs_p.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k + k0 < K
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+        if GATE_UP:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if IEEE:
+                acc_up += tl.dot(a, w_up, input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, w_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATE_UP:
+        # round gate and up to the activation dtype first, as the unfused F.linear calls do
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        out = gate * tl.sigmoid(gate) * up
+        c_rows = offs_p.to(tl.int64)
+    else:
+        out = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+        c_rows = tl.where(valid, pairs, 0)
+    tl.store(c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & mask_n[None, :])  # fmt: skip
+
+
+def _block_config(num_pairs: int, num_experts: int) -> dict[str, int]:
+    """Tile sizes: small row blocks when experts get a few rows each (decode), large ones in prefill."""
+    if num_pairs <= 4 * num_experts:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+
+
+def _expert_blocks(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] -> (pair index of each padded row, -1 for padding [max_blocks * block_m];
+    expert of each block of block_m rows, -1 past the end [max_blocks]). Expert e's pairs fill
+    ceil(count_e / block_m) blocks in pair order; every size depends only on T, K, E: no sync."""
+    flat = topk_ids.flatten()
+    num_pairs = flat.shape[0]
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    order = torch.argsort(flat, stable=True)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    position = (padded_end - padded)[sorted_experts] + rank
+    max_blocks = triton.cdiv(num_pairs, block_m) + num_experts
+    pair_of_row = torch.full((max_blocks * block_m,), -1, dtype=torch.int64, device=device)
+    pair_of_row.scatter_(0, position, order)
+    block_starts = torch.arange(max_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return pair_of_row, block_expert
+
+
+def fused_moe_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, K] -> [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    cfg = _block_config(num_tokens * top_k, num_experts)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    pair_of_row, block_expert = _expert_blocks(topk_ids, num_experts, block_m)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    weights = topk_weights.contiguous().flatten()
+    ieee = x.dtype == torch.float32
+    hidden_act = torch.empty(pair_of_row.shape[0], inter, dtype=x.dtype, device=x.device)
+    _moe_gemm_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
+        x, w13, hidden_act, pair_of_row, block_expert, weights,
+        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), hidden_act.stride(0), top_k,
+        GATE_UP=True, IEEE=ieee, **cfg,
+    )  # fmt: skip
+    per_pair = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemm_kernel[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
+        hidden_act, w2, per_pair, pair_of_row, block_expert, weights,
+        hidden, inter, hidden_act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), top_k,
+        GATE_UP=False, IEEE=ieee, **cfg,
+    )  # fmt: skip
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_grouped_mm(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The same through `torch._grouped_mm` (bf16, sm90): rows sorted by expert, groups by offsets."""
+    num_tokens, hidden = x.shape
+    num_experts, top_k = w2.shape[0], topk_ids.shape[1]
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    rows = x.index_select(0, order // top_k)
+    gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    down = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    down = down * topk_weights.flatten()[order, None]
+    per_pair = torch.empty_like(down).index_copy_(0, order, down)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids int64 [T, K] -> [T, H]."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
