@@ -117,9 +117,10 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=max(8192, args.prompt_len),
             enforce_eager=args.enforce_eager,
         )
-        bench_one(llm, 1, 32, 4)  # warm-up
+        bench_one(llm, min(4, max_c), args.prompt_len, 8)  # warm-up: kernel compilation and autotuning
         results = []
         for c in args.concurrency:
+            bench_one(llm, c, args.prompt_len, 4)  # this batch shape's kernels compiled first
             results.append(bench_one(llm, c, args.prompt_len, args.output_len))
             print(draw(results[-1:]), flush=True)
     print("\n" + draw(results))
