@@ -82,7 +82,11 @@ class Stack:
             "--max-model-len",
             "512",
         )
-        self.wait_healthy(timeout)
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()  # a failed start leaves no process behind
+            raise
         return self
 
     def wait_healthy(self, timeout: float) -> dict:
