@@ -248,3 +248,19 @@ def test_killed_decode_fails_its_streams_fast(stack: Stack, offline: LLM) -> Non
             extra_body={"ignore_eos": True},
         )
         assert out.choices[0].text == expected
+
+
+def test_killed_prefill_gets_a_clear_error_not_a_hang(stack: Stack) -> None:
+    """Runs last: with its only prefill instance dead the router answers 503 at once, stays up,
+    and reports the instance gone once its heartbeat expires."""
+    stack.kill("prefill-0")
+    c = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=30)
+    start = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        c.completions.create(model="tiny", prompt="anyone there?", max_tokens=4)
+    assert err.value.status_code == 503 and "prefill" in err.value.message
+    assert time.monotonic() - start < 5.0
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{stack.url}/health").json()["prefill"] != 0:
+        assert time.monotonic() < deadline, "the dead prefill instance never left the registry"
+        time.sleep(0.5)
