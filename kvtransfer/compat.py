@@ -10,7 +10,6 @@ of garbage states later.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -41,8 +40,7 @@ class IncompatiblePeerError(ValueError):
 
 def model_identity(cfg: ModelConfig) -> str:
     """A stable id of a model's shape: its type plus a hash of every config field."""
-    raw = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
-    return f"{cfg.model_type}:{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+    return cfg.identity()
 
 
 def _layout(specs: Sequence[PoolSpec]) -> dict[str, dict]:

@@ -30,7 +30,14 @@ ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
 }
+# on/off flags: store_true -> EngineConfig field True
+ENGINE_SWITCHES: dict[str, str] = {
+    "--enforce-eager": "enforce_eager",
+    "--enable-prefix-caching": "enable_prefix_caching",
+}
 _HELP = {
+    "--enforce-eager": "no CUDA graphs for decode",
+    "--enable-prefix-caching": "the hybrid prefix cache: shared KV pages + GDN state checkpoints",
     "--dtype": "model dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16",
     "--load-format": "auto (safetensors) or dummy (random weights, for benchmarks)",
     "--seed": "seed of the dummy weights (--load-format dummy)",
@@ -53,6 +60,8 @@ def add_engine_arguments(
     group.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
     for flag, (_name, kind) in ENGINE_FLAGS.items():
         group.add_argument(flag, type=kind, default=None, help=_HELP[flag])
+    for flag in ENGINE_SWITCHES:
+        group.add_argument(flag, action="store_true", help=_HELP[flag])
     group.add_argument(
         "--served-model-name", default=None, metavar="NAME", help="model name in the API (default: --model)"
     )
@@ -77,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--model is required")
     kwargs = {name: getattr(args, name) for name, _kind in ENGINE_FLAGS.values()}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs.update({name: True for name in ENGINE_SWITCHES.values() if getattr(args, name, False)})
     return EngineConfig(model=args.model, device=resolve_device(args.device), **kwargs)
 
 
@@ -87,6 +97,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     for flag, (name, _kind) in ENGINE_FLAGS.items():
         if getattr(args, name) is not None:
             argv += [flag, str(getattr(args, name))]
+    argv += [flag for flag, name in ENGINE_SWITCHES.items() if getattr(args, name, False)]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
     return argv

@@ -7,6 +7,8 @@ process: the model plus memory and scheduling limits.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +118,11 @@ class ModelConfig:
     def kv_page_shape(self, page_size: int) -> tuple[int, int, int]:
         return (page_size, self.num_key_value_heads, self.head_dim)
 
+    def identity(self) -> str:
+        """A stable id of the model's shape: its type plus a hash of every field."""
+        raw = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return f"{self.model_type}:{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
         model_type = raw.get("model_type")
@@ -199,6 +206,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     recurrent_state_dtype: str | torch.dtype = "float32"
     enforce_eager: bool = False  # True: no CUDA graphs for decode (vLLM's flag)
+    enable_prefix_caching: bool = False  # the hybrid prefix cache (docs/prefix-cache.md)
+    prefix_block_size: int = 64  # tokens per cache block (a multiple of page_size)
+    num_prefix_checkpoints: int = 32  # GDN state checkpoints kept on the device
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:

@@ -81,6 +81,7 @@ def load_report(engine: LLMEngine, **extra: int) -> dict:
         "free_state_slots": runner.state_pool.num_free,
         "kv_pages": runner.kv_pool.num_pages - runner.reserved,
         "state_slots": runner.state_pool.num_slots - runner.reserved,
+        "prefix_cache_pages": engine.prefix_cache.num_pages if engine.prefix_cache else 0,
         **extra,
     }
 

@@ -123,6 +123,7 @@ class PrefillService:
                 "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason,
                 "num_prompt_tokens": seq.num_prompt_tokens,
+                "num_cached_tokens": out.num_cached_tokens,
                 "payload": None,
             }
             if out.handed_over:

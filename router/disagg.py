@@ -77,6 +77,7 @@ class DisaggBackend:
             first["logprobs"],
             first["finished"],
             first["finish_reason"],
+            cached_tokens=first.get("num_cached_tokens", 0),
         )
         if first["finished"]:
             return

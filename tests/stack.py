@@ -51,6 +51,7 @@ class Stack:
                 *engine,
                 "--instance-id",
                 f"prefill-{i}",
+                "--enable-prefix-caching",
                 "--port",
                 "0",
                 "--redis-url",

@@ -8,8 +8,10 @@ from pathlib import Path
 
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.memory import GdnCheckpointPool
 from pdserve.sampling.params import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplerOutput, SamplingState, make_generator, replay_draws
 from pdserve.sampling.stop import StopChecker
@@ -31,6 +33,7 @@ class RequestOutput:
     text_delta: str = ""
     logprobs: list[dict] | None = None
     handed_over: bool = False  # prefill-only: the state stays in the pools for a transfer
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class LLMEngine:
@@ -41,8 +44,18 @@ class LLMEngine:
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         self.runner = ModelRunner(config)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            checkpoints = GdnCheckpointPool(self.runner.state_pool, config.num_prefix_checkpoints)
+            self.prefix_cache = PrefixCache(
+                self.runner.kv_pool, checkpoints, config.prefix_block_size, config.model_config.identity()
+            )
         self.scheduler = Scheduler(
-            self.runner.kv_pool, self.runner.state_pool, config.max_num_seqs, config.max_num_batched_tokens
+            self.runner.kv_pool,
+            self.runner.state_pool,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.prefix_cache,
         )
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
@@ -112,6 +125,7 @@ class LLMEngine:
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.scheduler.reached_checkpoint(s.seq)
         sampled = self.sampler.sample(logits, [seq.sampling for seq in sampling])
         return self.postprocess(sampling, sampled)
 
@@ -157,6 +171,7 @@ class LLMEngine:
             text=seq.stop_checker.text,
             finished=seq.status is SequenceStatus.FINISHED,
             handed_over=seq.hold_memory,
+            num_cached_tokens=seq.num_cached_tokens,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             new_token_ids=new_tokens,

@@ -24,6 +24,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV and GDN state are in the pools
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    checkpoint_at: int | None = None  # prefix cache: save the GDN state when this many are computed
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
     finish_reason: str | None = None

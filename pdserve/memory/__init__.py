@@ -1,4 +1,5 @@
+from pdserve.memory.checkpoint_pool import GdnCheckpointPool
 from pdserve.memory.kv_pool import KvPagePool
 from pdserve.memory.state_pool import GdnStatePool
 
-__all__ = ["GdnStatePool", "KvPagePool"]
+__all__ = ["GdnCheckpointPool", "GdnStatePool", "KvPagePool"]

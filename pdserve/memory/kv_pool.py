@@ -13,7 +13,9 @@ class KvPagePool:
     """`kv`: [num_attn_layers, 2, num_pages, page_size, Hkv, D], one tensor for every layer.
 
     Pages are handed out lowest first (a heap), so a request's block table tends to be runs of
-    consecutive pages: a transfer then moves one block per run instead of one per page.
+    consecutive pages: a transfer then moves one block per run instead of one per page. A page
+    is reference-counted: the prefix cache and the requests reusing a cached prefix share it,
+    and it returns to the free heap when its last holder frees it.
     """
 
     def __init__(
@@ -26,6 +28,7 @@ class KvPagePool:
         shape = (len(cfg.attn_layer_ids), 2, num_pages, *cfg.kv_page_shape(page_size))
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_pages))  # a heap
+        self._refs = [0] * num_pages
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -42,10 +45,23 @@ class KvPagePool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"KV pool has {len(self._free)} free pages, {n} requested")
-        return [heapq.heappop(self._free) for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
+        for page in pages:
+            self._refs[page] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of `pages` (all must be allocated)."""
+        for page in pages:
+            if self._refs[page] <= 0:
+                raise RuntimeError(f"KV page {page} is not allocated; it cannot be shared")
+            self._refs[page] += 1
 
     def free(self, pages: list[int]) -> None:
+        """One holder fewer for each page; a page nobody holds goes back to the free heap."""
         for page in pages:
-            heapq.heappush(self._free, page)
-        if len(self._free) > self.num_pages:
-            raise RuntimeError("KV pages freed twice")
+            if self._refs[page] <= 0:
+                raise RuntimeError(f"KV page {page} freed twice")
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                heapq.heappush(self._free, page)

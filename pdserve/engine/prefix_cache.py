@@ -1,0 +1,120 @@
+"""The hybrid prefix cache: K/V pages shared by reference count plus a GDN state checkpoint at a
+block boundary (docs/prefix-cache.md).
+
+An entry covers the first `num_tokens` tokens of some prompt (a multiple of `block_size`): the
+pages holding their K/V and a checkpoint of every GDN layer's state after them. A request whose
+prompt starts with those tokens shares the pages, restores the checkpoint into its own state
+slot, and computes only the rest. Entries are keyed by a chained hash of the token blocks and
+evicted least recently used when pages or checkpoints run short.
+
+Policy (from the seed): each prompt saves one checkpoint, at its last block boundary; a boundary
+in the prompt's last `tail_tokens` tokens moves back one block, since a follow-up request (the
+next turn of a chat) rarely shares a prompt's very end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pdserve.engine.sequence import Sequence
+from pdserve.memory import GdnCheckpointPool, KvPagePool
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    num_tokens: int
+    pages: list[int]
+    checkpoint: int
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        kv_pool: KvPagePool,
+        checkpoints: GdnCheckpointPool,
+        block_size: int,
+        salt: str,
+        tail_tokens: int = 16,
+    ) -> None:
+        if block_size % kv_pool.page_size:
+            raise ValueError(
+                f"prefix block size {block_size} must be a multiple of the page size {kv_pool.page_size}"
+            )
+        self.kv_pool = kv_pool
+        self.checkpoints = checkpoints
+        self.block_size = block_size
+        self.tail_tokens = tail_tokens
+        self.salt = salt.encode()
+        self.entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # least recently used first
+        self.hits = itertools.count()
+        self.num_hit_tokens = 0
+
+    def block_keys(self, token_ids: list[int]) -> list[bytes]:
+        """Key of every full block boundary: key[i] covers tokens [0, (i + 1) * block_size)."""
+        keys, parent = [], self.salt
+        for end in range(self.block_size, len(token_ids) + 1, self.block_size):
+            block = ",".join(map(str, token_ids[end - self.block_size : end])).encode()
+            parent = hashlib.sha256(parent + b"|" + block).digest()
+            keys.append(parent)
+        return keys
+
+    def checkpoint_boundary(self, num_prompt_tokens: int) -> int:
+        """Where a prompt saves its checkpoint (0: nowhere). At least one token stays to compute."""
+        boundary = (num_prompt_tokens - 1) // self.block_size * self.block_size
+        if 0 < boundary and num_prompt_tokens - boundary <= self.tail_tokens:
+            boundary -= self.block_size
+        return max(boundary, 0)
+
+    def lookup(self, seq: Sequence) -> CacheEntry | None:
+        """The longest cached prefix of `seq`'s prompt that leaves at least one token to compute."""
+        keys = self.block_keys(seq.prompt_token_ids[: seq.num_prompt_tokens - 1])
+        for key in reversed(keys):
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.entries.move_to_end(key)
+                return entry
+        return None
+
+    def restore(self, entry: CacheEntry, seq: Sequence) -> None:
+        """Start `seq` (which owns a fresh state slot and no pages) after the cached prefix."""
+        self.kv_pool.share(entry.pages)
+        seq.block_table = list(entry.pages)
+        self.checkpoints.restore(entry.checkpoint, seq.state_slot)
+        seq.num_computed_tokens = entry.num_tokens
+        seq.num_cached_tokens = entry.num_tokens
+        next(self.hits)
+        self.num_hit_tokens += entry.num_tokens
+
+    def save(self, seq: Sequence) -> None:
+        """Checkpoint `seq`, whose state now holds exactly its first `num_computed_tokens` tokens."""
+        n = seq.num_computed_tokens
+        key = self.block_keys(seq.prompt_token_ids[:n])[-1]
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        if self.checkpoints.num_free == 0 and not self.evict_one():
+            return
+        pages = seq.block_table[: n // self.kv_pool.page_size]
+        self.kv_pool.share(pages)
+        self.entries[key] = CacheEntry(n, list(pages), self.checkpoints.save(seq.state_slot))
+
+    @property
+    def num_pages(self) -> int:
+        """Distinct KV pages the cache holds a reference to."""
+        return len({p for entry in self.entries.values() for p in entry.pages})
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry; False when the cache is empty."""
+        if not self.entries:
+            return False
+        _, entry = self.entries.popitem(last=False)
+        self.kv_pool.free(entry.pages)
+        self.checkpoints.free(entry.checkpoint)
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass

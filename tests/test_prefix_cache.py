@@ -1,0 +1,118 @@
+"""The hybrid prefix cache: a request served from a cached prefix (shared KV pages + a restored
+GDN checkpoint) equals the same request computed from scratch; entries are evicted, not leaked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.check import prefill_states, relative_differences
+from tests.helpers import assert_no_leaks, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def cached(tiny_model_dir) -> LLM:
+    return LLM(
+        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512, enable_prefix_caching=True
+    )
+
+
+@pytest.fixture(autouse=True)
+def cache_emptied_then_no_leaks(cached: LLM, plain: LLM):
+    yield
+    cached.engine.prefix_cache.clear()
+    assert_no_leaks(cached.engine)
+    assert_no_leaks(plain.engine)
+
+
+def shared_prefix_prompts(prefix_len: int, suffix_lens: tuple[int, ...], seed: int) -> list[list[int]]:
+    prefix, *suffixes = random_prompts((prefix_len, *suffix_lens), seed=seed)
+    return [prefix + s for s in suffixes]
+
+
+def test_checkpoint_boundary_policy(cached: LLM) -> None:
+    cache = cached.engine.prefix_cache
+    assert cache.block_size == 64
+    # the last block boundary that leaves a token to compute, moved back a block within the last 16
+    assert [cache.checkpoint_boundary(n) for n in (10, 64, 65, 100, 140, 180, 200)] == [
+        0,
+        0,
+        0,
+        64,
+        64,
+        128,
+        128,
+    ]
+
+
+def test_second_request_reuses_the_prefix_and_equals_uncached(cached: LLM, plain: LLM) -> None:
+    first, second = shared_prefix_prompts(150, (30, 40), seed=11)
+    cached.generate(first, GREEDY)  # saves a checkpoint at token 128
+    assert len(cached.engine.prefix_cache.entries) == 1
+    seen = []
+    execute = cached.engine.runner.execute
+    cached.engine.runner.execute = lambda s: seen.append((s, execute(s))) or seen[-1][1]
+    try:
+        out = cached.generate(second, GREEDY)[0]
+    finally:
+        del cached.engine.runner.execute
+    first_pass = seen[0][0][0]
+    assert first_pass.num_new_tokens == len(second) - 128, "only the uncached suffix is computed"
+    assert out.num_cached_tokens == 128
+    assert out.token_ids == plain.generate(second, GREEDY)[0].token_ids
+
+
+def test_cached_logits_and_states_equal_uncached(cached: LLM, plain: LLM) -> None:
+    first, second = shared_prefix_prompts(140, (40, 60), seed=12)
+    cached.generate(first, SamplingParams(max_tokens=1))
+    (warm,) = prefill_states(cached.engine, [second], token_budget=4096)
+    (cold,) = prefill_states(plain.engine, [second], token_budget=4096)
+    for key, diff in relative_differences(warm, cold).items():
+        assert diff <= 1e-4, f"{key} differs by {diff:.2e} with the prefix from the cache"
+
+
+def test_packed_burst_with_a_shared_prefix_equals_uncached(cached: LLM, plain: LLM) -> None:
+    prompts = shared_prefix_prompts(130, (20, 35, 50, 70), seed=13)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in cached.generate(prompts, GREEDY)] == expected  # cold, packed
+    again = cached.generate(prompts, GREEDY)  # warm: every prompt restores the prefix
+    assert [o.token_ids for o in again] == expected
+    assert all(o.num_cached_tokens == 128 for o in again)
+
+
+def test_entries_are_evicted_under_memory_pressure(tiny_model_dir) -> None:
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_pages=40,
+        enable_prefix_caching=True,
+        num_prefix_checkpoints=2,
+    )
+    prompts = random_prompts((200, 190, 180, 170, 160), seed=14)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = [llm.generate(p, params)[0] for p in prompts]  # each saves a checkpoint; only 2 fit
+    assert len(llm.engine.prefix_cache.entries) <= 2
+    plain = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
+    # a prompt needing more pages than are free evicts cache entries instead of failing
+    big = random_prompts((250,), seed=15)[0]
+    assert len(llm.generate(big, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    llm.engine.prefix_cache.clear()
+    assert_no_leaks(llm.engine)
+
+
+def test_cached_tokens_reach_the_usage(cached: LLM) -> None:
+    prompt = shared_prefix_prompts(100, (10,), seed=16)[0]
+    assert cached.generate(prompt, SamplingParams(max_tokens=1))[0].num_cached_tokens == 0
+    assert cached.generate(prompt, SamplingParams(max_tokens=1))[0].num_cached_tokens == 64
+    assert torch.is_tensor(cached.engine.prefix_cache.checkpoints.recurrent)
