@@ -77,6 +77,12 @@ class DecodeService:
         self.thread.stop()
         self.agent.close()
 
+    def extra(self) -> dict:
+        return {}
+
+    def prefix_keys(self) -> list[str]:
+        return []
+
     def load(self) -> dict:
         report = load_report(self.engine)
         report["waiting"] += len(self.pending)

@@ -94,6 +94,27 @@ class Service(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def load(self) -> dict: ...
+    def extra(self) -> dict: ...  # published once with the instance (e.g. prefix-cache settings)
+    def prefix_keys(self) -> list[str]: ...  # cached prefix blocks this instance holds (hex)
+
+
+def prefix_cache_info(engine: LLMEngine) -> dict:
+    """What a router needs to key prompts the way this instance's prefix cache does."""
+    cache = engine.prefix_cache
+    if cache is None:
+        return {}
+    return {"prefix_block_size": cache.block_size, "prefix_salt": cache.salt}
+
+
+async def publish_prefix_keys(
+    registry: InstanceRegistry, service: Service, instance_id: str, interval_s: float
+) -> None:
+    """Keep `{ns}:prefix:{hash}` -> this instance for every block its cache holds, with a TTL of
+    a few intervals, so an evicted block (or a dead instance) drops out by itself."""
+    while True:
+        for key in service.prefix_keys():
+            await registry.set_prefix_owner(key, instance_id, ttl_s=3 * interval_s)
+        await asyncio.sleep(interval_s)
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:
@@ -120,7 +141,12 @@ async def run_service(
 
     def info() -> InstanceInfo:
         return InstanceInfo(
-            role=role, instance_id=instance_id, address=address, load=service.load(), started_at=started
+            role=role,
+            instance_id=instance_id,
+            address=address,
+            load=service.load(),
+            started_at=started,
+            extra=service.extra(),
         )
 
     stop = asyncio.Event()
@@ -130,10 +156,11 @@ async def run_service(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    heartbeat = None
+    heartbeat = prefixes = None
     try:
         if registry is not None:
             await registry.register(info(), ttl_s=3 * heartbeat_s)
+            prefixes = asyncio.create_task(publish_prefix_keys(registry, service, instance_id, heartbeat_s))
             heartbeat = asyncio.create_task(
                 registry.heartbeat_forever(info, interval_s=heartbeat_s, ttl_s=3 * heartbeat_s)
             )
@@ -142,8 +169,9 @@ async def run_service(
             on_ready(address)
         await stop.wait()
     finally:
-        if heartbeat is not None:
-            heartbeat.cancel()
+        for task in (heartbeat, prefixes):
+            if task is not None:
+                task.cancel()
         if registry is not None:
             try:
                 await registry.deregister(role, instance_id)

@@ -23,7 +23,7 @@ from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling.params import SamplingParams
-from pdserve.serving import ServiceConfig, engine_transfer_agent, load_report
+from pdserve.serving import ServiceConfig, engine_transfer_agent, load_report, prefix_cache_info
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class PrefillService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
         self.num_bursts = 0
+        self._prefix_keys: list[str] = []  # snapshot of the cache's keys, replaced by the engine thread
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -92,6 +93,12 @@ class PrefillService:
 
     def load(self) -> dict:
         return load_report(self.engine, held=len(self.held))
+
+    def extra(self) -> dict:
+        return prefix_cache_info(self.engine)
+
+    def prefix_keys(self) -> list[str]:
+        return self._prefix_keys
 
     # ---- on the engine thread
     def _admit(self, requests: list[dict]) -> dict[str, str]:
@@ -159,6 +166,8 @@ class PrefillService:
         return True
 
     def _tick(self) -> bool:
+        if self.engine.prefix_cache is not None:
+            self._prefix_keys = [key.hex() for key in self.engine.prefix_cache.entries]
         for rid in self.agent.take_done_notifications():
             self._release(rid)
         now = time.monotonic()

@@ -2,7 +2,9 @@
 
 Request lifecycle:
   1. burst: requests arriving within `burst_window_s` of each other (up to a token budget)
-     go to one prefill instance as one `prefill` RPC, which packs them into shared passes;
+     go to one prefill instance as one `prefill` RPC, which packs them into shared passes; a
+     request whose prompt prefix a prefill instance has cached (Redis prefix keys) joins that
+     instance's burst, unless it is much busier than the least loaded one;
   2. the prefill answer carries each first token (the TTFT) and, unless the request ended
      there, a `RequestPayload` naming its KV pages and GDN state slot;
   3. a decode instance (least loaded) gets a `decode` stream: it READs the state through
@@ -16,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
+from pdserve.engine.prefix_cache import prefix_block_keys
 from pdserve.rpc import RpcError
 from router.backend import GenerateRequest, TokenEvent
 from router.errors import BackendError
@@ -28,6 +31,15 @@ log = logging.getLogger("pdserve.router")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 BYTES_BUCKETS = tuple(2**k for k in range(10, 34, 2))
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(slots=True)
+class Burst:
+    """Requests gathered for one prefill instance, sent together when full or when the timer fires."""
+
+    items: list[tuple[GenerateRequest, asyncio.Future]] = field(default_factory=list)
+    tokens: int = 0
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
@@ -48,15 +60,16 @@ class DisaggBackend:
         self.instances = instances
         self.burst = burst or BurstConfig()
         self._max_model_len = max_model_len
-        self._queue: list[tuple[GenerateRequest, asyncio.Future]] = []
-        self._queued_tokens = 0
-        self._flush_handle: asyncio.TimerHandle | None = None
+        self._bursts: dict[str | None, Burst] = {}  # by preferred prefill instance (None: any)
         self._batch_size = metrics.histogram(
             "prefill_batch_size", "Requests per prefill burst", BATCH_BUCKETS
         )
         self._xfer_bytes = metrics.histogram("transfer_bytes", "State bytes moved per request", BYTES_BUCKETS)
         self._xfer_seconds = metrics.histogram(
             "transfer_seconds", "State transfer time per request", SECONDS_BUCKETS
+        )
+        self._prefix_routed = metrics.counter(
+            "prefix_routed_requests", "Requests sent to the prefill instance caching their prefix"
         )
         self._decoded = metrics.counter(
             "decode_requests", "Requests sent to each decode instance", ["instance"]
@@ -91,31 +104,57 @@ class DisaggBackend:
             if not pulled:
                 await self._release(prefill, req.request_id)
 
-    # ---- 1-2: bursts to a prefill instance
+    # ---- 1-2: bursts to a prefill instance (the one caching the prompt's prefix, if any)
     async def _prefill(self, req: GenerateRequest) -> tuple[dict, object]:
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append((req, future))
-        self._queued_tokens += len(req.prompt_token_ids)
-        full = self._queued_tokens >= self.burst.max_tokens or len(self._queue) >= self.burst.max_requests
-        if full:
-            self._flush()
-        elif self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_later(self.burst.window_s, self._flush)
+        target = await self._prefix_owner(req)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        burst = self._bursts.setdefault(target, Burst())
+        burst.items.append((req, future))
+        burst.tokens += len(req.prompt_token_ids)
+        if burst.tokens >= self.burst.max_tokens or len(burst.items) >= self.burst.max_requests:
+            self._flush(target)
+        elif burst.timer is None:
+            burst.timer = loop.call_later(self.burst.window_s, self._flush, target)
         return await future
 
-    def _flush(self) -> None:
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        batch, self._queue, self._queued_tokens = self._queue, [], 0
-        if batch:
-            asyncio.create_task(self._send_burst(batch))
-
-    async def _send_burst(self, batch: list[tuple[GenerateRequest, asyncio.Future]]) -> None:
+    async def _prefix_owner(self, req: GenerateRequest) -> str | None:
+        """The live prefill instance holding the longest cached prefix of the prompt."""
+        live = self.instances.live["prefill"]
+        info = next((i.extra for i in live.values() if i.extra.get("prefix_block_size")), None)
+        if info is None:
+            return None
+        keys = prefix_block_keys(req.prompt_token_ids[:-1], info["prefix_block_size"], info["prefix_salt"])
+        if not keys:
+            return None
         try:
-            instance = self.instances.pick("prefill")
+            owners = await self.instances.registry.prefix_owners([k.hex() for k in keys])
+        except Exception as e:  # Redis briefly away: route by load alone
+            log.warning("prefix lookup failed: %s", e)
+            return None
+        for key in reversed(keys):
+            owner = owners.get(key.hex())
+            if owner in live:
+                return owner
+        return None
+
+    def _flush(self, target: str | None) -> None:
+        burst = self._bursts.pop(target, None)
+        if burst is None:
+            return
+        if burst.timer is not None:
+            burst.timer.cancel()
+        asyncio.create_task(self._send_burst(burst.items, target))
+
+    async def _send_burst(
+        self, batch: list[tuple[GenerateRequest, asyncio.Future]], target: str | None
+    ) -> None:
+        try:
+            instance = self.instances.pick("prefill", prefer=target)
         except NoInstanceError as e:
             return _fail(batch, BackendError(str(e), 503))
+        if target is not None and instance.instance_id == target:
+            self._prefix_routed.inc(len(batch))
         self._batch_size.observe(len(batch))
         message = {
             "requests": [

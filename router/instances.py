@@ -19,6 +19,7 @@ from router.metrics import RouterMetrics
 log = logging.getLogger("pdserve.router")
 SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}
 SET_ASIDE_S = 5.0
+PREFER_SLACK = 16  # requests a prefix-cache owner may be busier than the least loaded instance
 
 
 class NoInstanceError(RuntimeError):
@@ -70,7 +71,9 @@ class InstanceSet:
                     i.load.get("running", 0) + i.load.get("waiting", 0)
                 )
 
-    def pick(self, role: str, exclude: set[str] = frozenset()) -> InstanceInfo:
+    def pick(self, role: str, exclude: set[str] = frozenset(), prefer: str | None = None) -> InstanceInfo:
+        """The least loaded live instance; `prefer` (it caches the prompt's prefix) wins unless
+        its load exceeds the least loaded one's by more than PREFER_SLACK requests."""
         now = time.monotonic()
         candidates = [
             i
@@ -83,7 +86,11 @@ class InstanceSet:
         def load(i: InstanceInfo) -> float:
             return self.in_flight[i.instance_id] + i.load.get("running", 0) + i.load.get("waiting", 0)
 
-        return min(candidates, key=load)
+        best = min(candidates, key=load)
+        preferred = next((i for i in candidates if i.instance_id == prefer), None)
+        if preferred is not None and load(preferred) <= load(best) + PREFER_SLACK:
+            return preferred
+        return best
 
     def set_aside(self, instance: InstanceInfo) -> None:
         """The instance failed us: skip it for a while (the registry will drop it if it is dead)."""

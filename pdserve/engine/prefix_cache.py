@@ -23,6 +23,17 @@ from pdserve.engine.sequence import Sequence
 from pdserve.memory import GdnCheckpointPool, KvPagePool
 
 
+def prefix_block_keys(token_ids: list[int], block_size: int, salt: str) -> list[bytes]:
+    """Key of every full block boundary: key[i] covers tokens [0, (i + 1) * block_size). The same
+    function keys the cache of every instance and the router's prefix-aware choice."""
+    keys, parent = [], salt.encode()
+    for end in range(block_size, len(token_ids) + 1, block_size):
+        block = ",".join(map(str, token_ids[end - block_size : end])).encode()
+        parent = hashlib.sha256(parent + b"|" + block).digest()
+        keys.append(parent)
+    return keys
+
+
 @dataclass(slots=True)
 class CacheEntry:
     num_tokens: int
@@ -47,19 +58,13 @@ class PrefixCache:
         self.checkpoints = checkpoints
         self.block_size = block_size
         self.tail_tokens = tail_tokens
-        self.salt = salt.encode()
+        self.salt = salt
         self.entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # least recently used first
         self.hits = itertools.count()
         self.num_hit_tokens = 0
 
     def block_keys(self, token_ids: list[int]) -> list[bytes]:
-        """Key of every full block boundary: key[i] covers tokens [0, (i + 1) * block_size)."""
-        keys, parent = [], self.salt
-        for end in range(self.block_size, len(token_ids) + 1, self.block_size):
-            block = ",".join(map(str, token_ids[end - self.block_size : end])).encode()
-            parent = hashlib.sha256(parent + b"|" + block).digest()
-            keys.append(parent)
-        return keys
+        return prefix_block_keys(token_ids, self.block_size, self.salt)
 
     def checkpoint_boundary(self, num_prompt_tokens: int) -> int:
         """Where a prompt saves its checkpoint (0: nowhere). At least one token stays to compute."""

@@ -1,0 +1,73 @@
+"""Prefix-aware routing: with two prefill instances, a prompt goes to the one whose cache holds
+its prefix (published in Redis), and is served from that cache."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+
+import openai
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.prefix_cache import prefix_block_keys
+from pdserve.registry import InstanceRegistry
+from pdserve.rpc import RpcClient
+from tests.helpers import random_prompts
+from tests.stack import Stack
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    s = Stack(tiny_model_dir, tmp_path_factory.mktemp("stack2"), num_prefill=2, num_decode=1).start()
+    yield s
+    s.stop()
+
+
+async def warm_cache_of(stack: Stack, instance_id: str, prompt: list[int]) -> None:
+    """Prefill `prompt` on one instance directly (not through the router), free the hand-over,
+    and wait until Redis names that instance as the owner of the prompt's cached prefix."""
+    registry = InstanceRegistry(stack.redis.url)
+    try:
+        (instance,) = [i for i in await registry.instances("prefill") if i.instance_id == instance_id]
+        client = RpcClient(instance.address, "pdserve.Prefill")
+        request = {
+            "request_id": "warm-up",
+            "prompt_token_ids": prompt,
+            "params": asdict(SamplingParams(max_tokens=2)),
+        }
+        (result,) = (await client.unary("prefill", {"requests": [request]}, timeout=60))["results"]
+        await client.unary("release", {"request_id": "warm-up"})
+        await client.close()
+        assert result["payload"] is not None
+        extra = instance.extra
+        keys = prefix_block_keys(prompt[:-1], extra["prefix_block_size"], extra["prefix_salt"])
+        deadline = time.monotonic() + 10
+        while True:
+            owners = await registry.prefix_owners([k.hex() for k in keys])
+            if instance_id in owners.values():
+                return
+            assert time.monotonic() < deadline, "the prefix was never published"
+            await asyncio.sleep(0.2)
+    finally:
+        await registry.close()
+
+
+def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, tiny_model_dir) -> None:
+    prompt = random_prompts((150,), seed=21)[0]
+    asyncio.run(warm_cache_of(stack, "prefill-1", prompt))  # least-load ties would pick prefill-0
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.prompt_tokens_details.cached_tokens == 128
+    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert reply.choices[0].text == expected.text
+    # a prompt nobody caches is routed by load alone and computes everything
+    other = random_prompts((150,), seed=22)[0]
+    fresh = client.completions.create(
+        model="tiny", prompt=other, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
