@@ -23,6 +23,36 @@ _TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax_block(
+    q, m, l, acc, offs_n, in_ctx, visible, n, kv_head,
+    k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, scale,
+    D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Fold one block of paged keys (positions offs_n of sequence n, KV head kv_head) into the
+    running row max m, row sum l and output acc of the queries q [M, D]; `visible` [M or 1, BLOCK_N]
+    masks the scores. Returns the new (m, l, acc)."""
+    offs_d = tl.arange(0, D)
+    page = tl.load(table_ptr + n * stride_table + offs_n // PAGE, mask=in_ctx, other=0).to(tl.int64)
+    rows = page * stride_kp + (offs_n % PAGE) * stride_ks + kv_head * stride_kh
+    k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+    s = tl.where(visible, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table,
@@ -47,24 +77,11 @@ def _decode_split_kernel(
     for block in range(start, end, BLOCK_N):
         offs_n = block + tl.arange(0, BLOCK_N)
         in_ctx = offs_n < end
-        page = tl.load(table_ptr + n * stride_table + offs_n // PAGE, mask=in_ctx, other=0).to(tl.int64)
-        rows = page * stride_kp + (offs_n % PAGE) * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(in_ctx[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _online_softmax_block(
+            q, m, l, acc, offs_n, in_ctx, in_ctx[None, :], n, kv_head,
+            k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, scale,
+            D=D, PAGE=PAGE, IEEE=IEEE,
+        )  # fmt: skip
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
     lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
@@ -153,25 +170,12 @@ def _prefill_kernel(
     for block in range(0, end, BLOCK_N):
         offs_n = block + tl.arange(0, BLOCK_N)
         in_ctx = offs_n < end
-        page = tl.load(table_ptr + n * stride_table + offs_n // PAGE, mask=in_ctx, other=0).to(tl.int64)
-        rows = page * stride_kp + (offs_n % PAGE) * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         visible = in_ctx[None, :] & (offs_n[None, :] <= positions[:, None])
-        s = tl.where(visible, s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _online_softmax_block(
+            q, m, l, acc, offs_n, in_ctx, visible, n, kv_head,
+            k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, scale,
+            D=D, PAGE=PAGE, IEEE=IEEE,
+        )  # fmt: skip
     out = acc / l[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=valid_m[:, None])  # fmt: skip
