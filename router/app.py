@@ -35,7 +35,7 @@ from pdserve.tokenizer import Tokenizer
 from router.backend import Backend, GenerateRequest, TokenEvent
 from router.errors import BackendError, OpenAIError, error_body, error_response, install_error_handlers
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_ids
 from router.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
 
 log = logging.getLogger("pdserve.router")
@@ -131,13 +131,15 @@ class OpenAIRouter:
         arrival = time.monotonic()
         self.check_model(body.model)
         kwargs = body.chat_template_kwargs or {}
-        if reserved := sorted({"messages", "add_generation_prompt"} & set(kwargs)):
+        taken = {"messages", "add_generation_prompt", *self.tokenizer.special_tokens}
+        if reserved := sorted(taken & set(kwargs)):
             raise OpenAIError(f"chat_template_kwargs cannot set {reserved}", param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
                 body.template_messages(), body.add_generation_prompt, **kwargs
             )
-        except (ValueError, jinja2.TemplateError) as e:  # bad roles/content, or the template refused
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            # bad roles or content, kwargs the template cannot use (a number where it loops), a refusal
             raise OpenAIError(f"{e}", param="messages") from e
         fmt = ChatFormat(self.model, self.tokenizer, body.n, body.include_usage)
         return await self.serve(request, body, fmt, [(self.tokenizer.encode(text), "")], arrival)
@@ -155,8 +157,7 @@ class OpenAIRouter:
             ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
             if not ids:
                 raise OpenAIError("prompt must not be empty", param="prompt")
-            if min(ids) < 0:
-                raise OpenAIError("prompt token ids must be non-negative", param="prompt")
+            check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
             echo = (item if isinstance(item, str) else self.tokenizer.decode(ids)) if body.echo else ""
             prompts.append((ids, echo))
         fmt = CompletionFormat(self.model, self.tokenizer, body.n, body.include_usage)
@@ -173,11 +174,11 @@ class OpenAIRouter:
         """Steps 2 (limits, params) to 6 of the lifecycle for `prompts` as (token ids, echo text)."""
         if body.n * len(prompts) > MAX_CHOICES:
             raise OpenAIError(f"n x prompts must be at most {MAX_CHOICES}", param="n")
-        max_model_len = self.backend.max_model_len()
+        max_model_len, vocab_size = self.backend.max_model_len(), self.tokenizer.vocab_size
         requests, choices = [], []
         for ids, echo in prompts:
             try:
-                params = body.sampling_params(body.max_tokens_for(len(ids), max_model_len))
+                params = body.sampling_params(body.max_tokens_for(len(ids), max_model_len), vocab_size)
             except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]"
                 field = str(e).split(" ", 1)[0]
                 raise OpenAIError(str(e), param=field if field in type(body).model_fields else None) from e

@@ -5,15 +5,28 @@ ignore_eos, min_tokens, stop_token_ids, ...) accept; unknown fields are ignored,
 clients send some (user, logit_bias, ...). Types are checked by pydantic (-> 400 via
 router.errors); values by `SamplingParams` (its ValueError -> 400 with the reason).
 
+Strings must be valid Unicode: JSON can smuggle in a lone surrogate ("\\ud800"), which the
+tokenizer and the UTF-8 encoder of every answer choke on, so such a body is a 400. Token ids
+(prompt, stop_token_ids) must lie in the tokenizer's vocabulary (`check_token_ids`).
+
 max_tokens (like vLLM): chat defaults to the room left in the context, completions to 16 (an
 explicit null: the room); asking for more than the room, or a prompt that leaves no room, is a 400.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
 from pdserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from router.errors import OpenAIError
@@ -22,9 +35,41 @@ _OPTIONAL_SAMPLING = (  # None: SamplingParams' default
     "temperature", "top_p", "top_k", "min_p", "seed",
     "presence_penalty", "frequency_penalty", "repetition_penalty",
 )  # fmt: skip
+_SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, a surrogate left in a str is a lone one
+FLOAT32_MIN_NORMAL = 2.0**-126  # the sampler works in float32: a smaller top_p would round to 0
 _PASSED_ON = (
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
 )  # fmt: skip
+
+
+def lone_surrogate_at(data: Any) -> str | None:
+    """Where (as "messages.0.content") a string or key of JSON data holds a lone surrogate, or None.
+
+    Iterative: the data may be nested as deep as the JSON parser allows."""
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:
+        where, value = stack.pop()
+        if not isinstance(value, dict | list):
+            continue
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if _lone_surrogate(key) or _lone_surrogate(item):
+                return ".".join(map(str, (*where, key))).encode("utf-8", "backslashreplace").decode()
+            if isinstance(item, dict | list):
+                stack.append(((*where, key), item))
+    return None
+
+
+def _lone_surrogate(value: object) -> bool:
+    return isinstance(value, str) and _SURROGATE.search(value) is not None
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """A 400 unless every id is in [0, vocab_size): the router decodes them and the sampler
+    indexes its logits with them, and an id beyond int64 overflows either."""
+    if bad := [t for t in ids if not 0 <= t < vocab_size]:
+        raise OpenAIError(
+            f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param
+        )
 
 
 class ContentPart(BaseModel):
@@ -71,7 +116,7 @@ class OpenAIRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None  # int64, as OpenAI's
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -80,6 +125,13 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := lone_surrogate_at(data)) is not None:
+            raise ValueError(f"{where} is not valid Unicode (a lone surrogate)")
+        return data
 
     @property
     def include_usage(self) -> bool:
@@ -107,9 +159,12 @@ class OpenAIRequest(BaseModel):
             )
         return room if requested is None else requested
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         """The request's sampling parameters (n included); raises ValueError on a bad value."""
+        check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
         given = {k: v for k in _OPTIONAL_SAMPLING if (v := getattr(self, k)) is not None}
+        if 0 < given.get("top_p", 1) < FLOAT32_MIN_NORMAL:  # what it asks for: the top token only
+            given["top_p"] = FLOAT32_MIN_NORMAL
         given.update({k: getattr(self, k) for k in _PASSED_ON})
         return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=self.num_logprobs(), **given)
 
