@@ -89,6 +89,7 @@ def test_stop_string_is_not_emitted(llm: LLM) -> None:
         ("hi", {"temperature": -0.5}, "temperature"),
         ("hi", {"top_p": 0.0}, "top_p"),
         ("hi", {"top_p": 1.5}, "top_p"),
+        ("hi", {"stop_token_ids": [300_000], "min_tokens": 1}, "stop_token_ids"),
     ],
 )
 def test_bad_input_raises_value_error(llm: LLM, prompt, kwargs, reason) -> None:
@@ -168,3 +169,10 @@ def test_dummy_weights_run_without_a_checkpoint(tiny_model_dir) -> None:
     out = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
     assert_no_leaks(llm.engine)
+
+
+def test_a_vanishing_top_p_keeps_the_top_token(llm: LLM) -> None:
+    """A top_p that rounds to 0 in fp32 must not break the step (it would fail every request in it)."""
+    greedy = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    tiny = SamplingParams(temperature=1.0, top_p=1e-46, max_tokens=5, ignore_eos=True, seed=3)
+    assert llm.generate("Hello", tiny)[0].token_ids == greedy.token_ids

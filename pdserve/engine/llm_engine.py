@@ -88,6 +88,9 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; max_model_len {self.config.max_model_len} "
                 "leaves no room for an output token"
             )
+        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad_stops[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         request_id = request_id or f"req-{next(self._ids)}"

@@ -170,7 +170,10 @@ class SamplingTensors:
             all_greedy=all(p.greedy for p in ps),
             top_k=column(top_k, torch.long) if min(top_k, default=vocab_size) < vocab_size else None,
             max_top_k=max_top_k,
-            top_p=column(top_p, torch.float32) if min(top_p, default=1.0) < 1.0 else None,
+            # a top_p below fp32's smallest normal would round to 0 and keep nothing: keep the top token
+            top_p=column(top_p, torch.float32).clamp_(min=torch.finfo(torch.float32).tiny)
+            if min(top_p, default=1.0) < 1.0
+            else None,
             min_p=column(min_p, torch.float32) if max(min_p, default=0.0) > 0.0 else None,
             penalties=column(penalties, torch.float32) if use_penalties else None,
             output_counts=counts,
