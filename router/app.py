@@ -40,6 +40,7 @@ from router.responses import ChatFormat, Choice, CompletionFormat, ResponseForma
 
 log = logging.getLogger("pdserve.router")
 MAX_CHOICES = 128  # prompts x n of one request: a typo'd n must not queue millions of generations
+ENCODE_INLINE_CHARS = 20_000  # longer texts are tokenized on a worker thread
 T = TypeVar("T")
 Item = tuple[int, TokenEvent | BackendError]
 
@@ -127,6 +128,12 @@ class OpenAIRouter:
             message = f"The model `{model}` does not exist (this server serves `{self.model}`)."
             raise OpenAIError(message, 404, param="model", code="model_not_found")
 
+    async def encode(self, text: str) -> list[int]:
+        """Tokenize off the event loop: a long prompt must not stall every other stream."""
+        if len(text) < ENCODE_INLINE_CHARS:
+            return self.tokenizer.encode(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
@@ -142,7 +149,7 @@ class OpenAIRouter:
             # bad roles or content, kwargs the template cannot use (a number where it loops), a refusal
             raise OpenAIError(f"{e}", param="messages") from e
         fmt = ChatFormat(self.model, self.tokenizer, body.n, body.include_usage)
-        return await self.serve(request, body, fmt, [(self.tokenizer.encode(text), "")], arrival)
+        return await self.serve(request, body, fmt, [(await self.encode(text), "")], arrival)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -154,7 +161,7 @@ class OpenAIRouter:
             raise OpenAIError("prompt must not be empty", param="prompt")
         prompts = []
         for item in prompt:
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            ids = await self.encode(item) if isinstance(item, str) else list(item)
             if not ids:
                 raise OpenAIError("prompt must not be empty", param="prompt")
             check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
