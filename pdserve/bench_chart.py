@@ -9,12 +9,14 @@ from html import escape
 
 # Same H200, same shape, 1,024-token prompts, 256 output tokens (shared/design.md, 2026-11-30).
 VLLM_TOK_S = {4: 653.0, 16: 1406.0, 32: 1999.0}
+# `vllm serve`, same settings, AIPerf 0.13 streaming (shared/design.md).
+VLLM_SERVED_TOK_S = {4: 594.0, 16: 1365.0, 32: 2005.0}
 # shared/tools/roofline.py, one GPU doing prefill too (bf16 weights, 4.3 TB/s).
 ROOFLINE_TOK_S = {1: 691.0, 4: 1335.0, 16: 1977.0, 32: 2478.0, 64: 3400.0}
 SERIES = (("pdserve", "#2b7bb9"), ("vLLM 0.26", "#e08a2c"), ("roofline", "#9aa5b1"))
 
 
-def chart_svg(results: list[dict], title: str) -> str:
+def chart_svg(results: list[dict], title: str, reference: dict[int, float] = VLLM_TOK_S) -> str:
     """Grouped bars of output tok/s per concurrency; each pdserve bar labelled with its roofline ratio."""
     groups = [
         (

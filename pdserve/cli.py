@@ -30,6 +30,9 @@ COMMANDS: dict[str, Command] = {
     "router": Command("router.server", "the OpenAI-compatible HTTP router"),
     "prefill": Command("prefill_svc.server", "a gRPC prefill service instance"),
     "decode": Command("decode_svc.server", "a gRPC decode service instance"),
+    "bench-serve": Command(
+        "pdserve.bench_serve", "load a running server with streaming clients (AIPerf-style)"
+    ),
     "check": Command("pdserve.check", "packed prefill equals each prompt alone, chunked equals whole"),
     "bench": Command("pdserve.bench", "offline throughput at the full Qwen3.6-35B-A3B shape, random weights"),
 }
