@@ -93,6 +93,30 @@ def test_chat_equals_offline(client: openai.OpenAI, offline: LLM) -> None:
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_stop_strings_and_logprobs_equal_offline(client: openai.OpenAI, offline: LLM) -> None:
+    """Decode replays the first token into its own detokenizer, so a stop string spanning the
+    hand-over is still cut, and each token's logprobs come from the process that sampled it."""
+    prompt = "The capital of France is"
+    free = greedy(offline, prompt)
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop], logprobs=2, ignore_eos=True)
+    expected = offline.generate(prompt, params)[0]
+    reply = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stop=[stop],
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    choice = reply.choices[0]
+    assert choice.text == expected.text and choice.finish_reason == "stop"
+    ours = choice.logprobs.token_logprobs
+    theirs = [entry["logprob"] for entry in expected.logprobs][: len(ours)]
+    assert len(ours) >= 2 and ours == pytest.approx(theirs, abs=1e-4)
+
+
 def test_prefix_cache_hit_equals_offline(client: openai.OpenAI, offline: LLM) -> None:
     """The prefill instance runs with the prefix cache: a repeated long prompt reuses its
     checkpointed prefix (reported as cached tokens) and still gives the offline tokens."""
