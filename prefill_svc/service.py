@@ -66,13 +66,19 @@ class PrefillService:
     async def prefill(self, msg: dict) -> dict:
         """{"requests": [{request_id, prompt_token_ids, params}]} -> {"results": [...]}, in order."""
         requests = msg.get("requests")
-        if not isinstance(requests, list) or not requests:
+        if not isinstance(requests, list) or not requests or not all(isinstance(r, dict) for r in requests):
             raise ValueError("prefill wants a non-empty list of requests")
-        futures = {}
-        for r in requests:
-            futures[r["request_id"]] = self._loop.create_future()
+        ids = [r.get("request_id") for r in requests]
+        if not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique non-empty strings")
+        futures = {rid: self._loop.create_future() for rid in ids}
         self._futures.update(futures)
-        errors = await self.thread.call(self._admit, requests)
+        try:
+            errors = await self.thread.call(self._admit, requests)
+        except BaseException:
+            for rid in ids:
+                self._futures.pop(rid, None)
+            raise
         self.num_bursts += 1
         results = []
         for r in requests:
@@ -104,7 +110,10 @@ class PrefillService:
     def _admit(self, requests: list[dict]) -> dict[str, str]:
         errors = {}
         for r in requests:
-            rid = r.get("request_id")
+            rid = r["request_id"]
+            if rid in self.held or rid in self._seqs:
+                errors[rid] = f"request id {rid!r} is already in use"
+                continue
             try:
                 params = SamplingParams(**r.get("params", {}))
                 seq = self.engine.make_sequence(r.get("prompt_token_ids"), params, rid)
