@@ -175,6 +175,8 @@ async def run_service(
         if registry is not None:
             try:
                 await registry.deregister(role, instance_id)
+            except Exception as e:  # Redis gone: our key expires by its TTL anyway
+                log.warning("could not deregister %s %s: %s", role, instance_id, e)
             finally:
                 await registry.close()
         await server.stop(grace=2.0)
