@@ -14,12 +14,13 @@ ENV PYTHONUNBUFFERED=1 \
     PDSERVE_CACHE=/home/pdserve/.cache/pdserve
 
 # torch first (the largest layer, rarely changes), then pdserve's dependencies from
-# pyproject.toml (a layer kept while only the code changes), then pdserve itself
+# pyproject.toml, the gpu extra included (a layer kept while only the code changes), then pdserve
 RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
 WORKDIR /opt/pdserve
 COPY pyproject.toml README.md ./
 RUN python -c "import subprocess, sys, tomllib; \
-deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+project = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+deps = project['dependencies'] + project['optional-dependencies']['gpu']; \
 subprocess.check_call([sys.executable, '-m', 'pip', 'install', *deps])"
 COPY . .
 RUN pip install --no-deps . && useradd --create-home --uid 1000 pdserve
