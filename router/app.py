@@ -33,7 +33,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.tokenizer import Tokenizer
 from router.backend import Backend, GenerateRequest, TokenEvent
-from router.errors import BackendError, OpenAIError, error_body, error_response, install_error_handlers
+from router.errors import (
+    BackendError,
+    OpenAIError,
+    error_body,
+    error_response,
+    install_api_key_check,
+    install_error_handlers,
+)
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_ids
 from router.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
@@ -254,15 +261,23 @@ class OpenAIRouter:
 
 
 def create_app(
-    backend: Backend, tokenizer: Tokenizer, served_model_name: str, metrics: RouterMetrics | None = None
+    backend: Backend,
+    tokenizer: Tokenizer,
+    served_model_name: str,
+    metrics: RouterMetrics | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into."""
+    """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into.
+    With `api_key`, every `/v1/` route wants `Authorization: Bearer <api_key>` (as vLLM's
+    `--api-key`); /health and /metrics stay open for probes and scrapers."""
     metrics = metrics or RouterMetrics()
     router = OpenAIRouter(backend, tokenizer, served_model_name, metrics)
     created = int(time.time())
     app = FastAPI(title="pdserve router")
     app.state.router = router
     install_error_handlers(app)
+    if api_key:
+        install_api_key_check(app, api_key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

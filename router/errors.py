@@ -15,6 +15,7 @@ Statuses and types:
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 
@@ -81,6 +82,19 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if len(errors) > 3:
         parts.append(f"(+{len(errors) - 3} more)")
     return "; ".join(parts) or "invalid request", param
+
+
+def install_api_key_check(app: FastAPI, api_key: str) -> None:
+    """401 in the OpenAI shape for a `/v1/` request without `Authorization: Bearer <api_key>`."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def _check_key(request: Request, call_next):  # noqa: ANN202 - Starlette's middleware type
+        if request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response("invalid or missing API key", 401, code="invalid_api_key")
+        return await call_next(request)
 
 
 def install_error_handlers(app: FastAPI) -> None:

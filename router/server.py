@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 import uvicorn
 
@@ -24,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="require it as a Bearer token on /v1/"
+    )
     parser.add_argument("--burst-window-ms", type=float, default=5.0, help="gather a burst for this long")
     parser.add_argument(
         "--burst-max-tokens", type=int, default=16384, help="send a burst at this many tokens"
@@ -38,7 +42,13 @@ async def serve(args: argparse.Namespace) -> None:
     instances = InstanceSet(registry, metrics)
     burst = BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens)
     backend = DisaggBackend(instances, metrics, max_model_len, burst)
-    app = create_app(backend, load_tokenizer(args.model), args.served_model_name or args.model, metrics)
+    app = create_app(
+        backend,
+        load_tokenizer(args.model),
+        args.served_model_name or args.model,
+        metrics,
+        api_key=args.api_key,
+    )
     await instances.start()
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     try:
