@@ -68,6 +68,9 @@ class DisaggBackend:
         self._xfer_seconds = metrics.histogram(
             "transfer_seconds", "State transfer time per request", SECONDS_BUCKETS
         )
+        self._cached_tokens = metrics.counter(
+            "prefix_cache_hit_tokens", "Prompt tokens served from a prefill instance's prefix cache"
+        )
         self._prefix_routed = metrics.counter(
             "prefix_routed_requests", "Requests sent to the prefill instance caching their prefix"
         )
@@ -84,6 +87,7 @@ class DisaggBackend:
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         first, prefill = await self._prefill(req)
+        self._cached_tokens.inc(first.get("num_cached_tokens", 0))
         yield TokenEvent(
             [first["token_id"]],
             first["text_delta"],

@@ -7,6 +7,7 @@ import asyncio
 import time
 from dataclasses import asdict
 
+import httpx
 import openai
 import pytest
 
@@ -62,6 +63,9 @@ def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, tiny_mode
         model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
     )
     assert reply.usage.prompt_tokens_details.cached_tokens == 128
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    assert "pdserve:prefix_cache_hit_tokens_total 128.0" in metrics
+    assert "pdserve:prefix_routed_requests_total 1.0" in metrics
     offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
     expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert reply.choices[0].text == expected.text
