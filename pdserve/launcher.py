@@ -208,7 +208,8 @@ def spawn(args: argparse.Namespace, stack: Stack, model: str, device: str, redis
         argv += ["--served-model-name", args.served_model_name]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
-    stack.router = Child("router", argv)
+    # the key travels in the environment, not on the command line where `ps` shows it
+    stack.router = Child("router", argv, {"PDSERVE_API_KEY": args.api_key} if args.api_key else None)
 
 
 def wait_ready(args: argparse.Namespace, stack: Stack, stopping: threading.Event) -> str:
@@ -261,6 +262,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill processes (default 1)")
     parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode processes (default 1)")
     parser.add_argument("--redis-url", default=None, help="use this Redis (default: start a private one)")
+    parser.add_argument("--api-key", default=None, help="the router requires it as a Bearer token on /v1/")
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for the stack (default 600)"
     )
