@@ -4,18 +4,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
+from dataclasses import dataclass, field
 
 import uvicorn
 
 from pdserve.config import ModelConfig
 from pdserve.registry import InstanceRegistry
+from pdserve.serving import start_logging
 from pdserve.tokenizer import load_tokenizer
 from router.app import create_app
 from router.disagg import BurstConfig, DisaggBackend
 from router.instances import InstanceSet
 from router.metrics import RouterMetrics
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """The one config object of a router process."""
+
+    model: str  # folder with the tokenizer, chat template and config.json
+    redis_url: str
+    served_model_name: str | None = None  # default: `model`
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int | None = None  # default: the model's, capped at 32,768
+    api_key: str | None = None
+    burst: BurstConfig = field(default_factory=BurstConfig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,23 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
-    model_config = ModelConfig.from_pretrained(args.model)
-    max_model_len = args.max_model_len or min(model_config.max_position_embeddings, 32_768)
+async def serve(config: RouterConfig) -> None:
+    model_config = ModelConfig.from_pretrained(config.model)
+    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 32_768)
     metrics = RouterMetrics()
-    registry = InstanceRegistry(args.redis_url)
+    registry = InstanceRegistry(config.redis_url)
     instances = InstanceSet(registry, metrics)
-    burst = BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens)
-    backend = DisaggBackend(instances, metrics, max_model_len, burst)
-    app = create_app(
-        backend,
-        load_tokenizer(args.model),
-        args.served_model_name or args.model,
-        metrics,
-        api_key=args.api_key,
-    )
+    backend = DisaggBackend(instances, metrics, max_model_len, config.burst)
+    name = config.served_model_name or config.model
+    app = create_app(backend, load_tokenizer(config.model), name, metrics, api_key=config.api_key)
     await instances.start()
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
     try:
         await server.serve()
     finally:
@@ -59,6 +68,16 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args))
+    start_logging()
+    config = RouterConfig(
+        model=args.model,
+        redis_url=args.redis_url,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        api_key=args.api_key,
+        burst=BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens),
+    )
+    asyncio.run(serve(config))
     return 0
