@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -11,7 +12,6 @@ import uvicorn
 
 from pdserve.config import ModelConfig
 from pdserve.registry import InstanceRegistry
-from pdserve.serving import start_logging
 from pdserve.tokenizer import load_tokenizer
 from router.app import create_app
 from router.disagg import BurstConfig, DisaggBackend
@@ -68,7 +68,7 @@ async def serve(config: RouterConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    start_logging()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = RouterConfig(
         model=args.model,
         redis_url=args.redis_url,
