@@ -90,3 +90,26 @@ def test_cuda_graph_decode_equals_eager(tiny_model_dir) -> None:
     assert got == expected
     assert 5 in replays, "decode steps of 5 sequences should replay the graph of size 8"
     assert_no_leaks(graphs.engine)
+
+
+def test_cuda_prefix_cache_equals_uncached(tiny_model_dir) -> None:
+    """Shared pages + a restored GDN checkpoint on the GPU, decode by graph replay: the cached
+    request gives the tokens of the uncached one."""
+    prefix = random_prompts((150,), seed=31)[0]
+    first, second = prefix + [11, 12, 13], prefix + [21, 22, 23, 24]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kwargs = {
+        "device": "cuda",
+        "dtype": "float32",
+        "max_model_len": 512,
+        "num_kv_pages": 256,
+        "max_num_seqs": 4,
+    }
+    plain = LLM(str(tiny_model_dir), **kwargs)
+    cached = LLM(str(tiny_model_dir), enable_prefix_caching=True, **kwargs)
+    cached.generate(first, params)
+    out = cached.generate(second, params)[0]
+    assert out.num_cached_tokens == 128
+    assert out.token_ids == plain.generate(second, params)[0].token_ids
+    cached.engine.prefix_cache.clear()
+    assert_no_leaks(cached.engine)
