@@ -36,9 +36,9 @@ from router.backend import Backend, GenerateRequest, TokenEvent
 from router.errors import (
     BackendError,
     OpenAIError,
+    RequestGate,
     error_body,
     error_response,
-    install_api_key_check,
     install_error_handlers,
 )
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -266,18 +266,19 @@ def create_app(
     served_model_name: str,
     metrics: RouterMetrics | None = None,
     api_key: str | None = None,
+    max_request_bytes: int = 32 << 20,
 ) -> FastAPI:
     """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into.
     With `api_key`, every `/v1/` route wants `Authorization: Bearer <api_key>` (as vLLM's
-    `--api-key`); /health and /metrics stay open for probes and scrapers."""
+    `--api-key`); /health and /metrics stay open for probes and scrapers. A body declared larger
+    than `max_request_bytes` is refused (413) before it is read."""
     metrics = metrics or RouterMetrics()
     router = OpenAIRouter(backend, tokenizer, served_model_name, metrics)
     created = int(time.time())
     app = FastAPI(title="pdserve router")
     app.state.router = router
     install_error_handlers(app)
-    if api_key:
-        install_api_key_check(app, api_key)
+    app.add_middleware(RequestGate, max_bytes=max_request_bytes, api_key=api_key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

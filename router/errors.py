@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("pdserve.router")
 
@@ -84,17 +85,28 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def install_api_key_check(app: FastAPI, api_key: str) -> None:
-    """401 in the OpenAI shape for a `/v1/` request without `Authorization: Bearer <api_key>`."""
-    expected = f"Bearer {api_key}".encode()
+class RequestGate:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it would get in the way of streaming and of
+    noticing client disconnects) answering in the OpenAI shape, before the body is read:
+    413 when the declared body exceeds `max_bytes`, 401 when `/v1/` lacks the API key."""
 
-    @app.middleware("http")
-    async def _check_key(request: Request, call_next):  # noqa: ANN202 - Starlette's middleware type
-        if request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error_response("invalid or missing API key", 401, code="invalid_api_key")
-        return await call_next(request)
+    def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.expected = None if not api_key else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            declared = headers.get(b"content-length")
+            if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+                response = error_response(f"request body larger than {self.max_bytes} bytes", 413)
+                return await response(scope, receive, send)
+            if self.expected is not None and scope["path"].startswith("/v1/"):
+                if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                    response = error_response("invalid or missing API key", 401, code="invalid_api_key")
+                    return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,5 +1,6 @@
-"""`--api-key`: /v1/ routes want the Bearer token (401 in the OpenAI shape otherwise, which the
-official client raises as AuthenticationError); /health and /metrics stay open."""
+"""The request gate: with `--api-key`, /v1/ routes want the Bearer token (401 in the OpenAI
+shape otherwise, which the official client raises as AuthenticationError) while /health and
+/metrics stay open; a body declared larger than the limit is refused (413) before it is read."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_right_key_passes_and_probes_stay_open(http: TestClient) -> None:
     assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == "m"
     assert http.get("/health").status_code == 200
     assert http.get("/metrics").status_code == 200
+
+
+def test_oversized_body_is_413_before_it_is_read() -> None:
+    http = TestClient(create_app(IdleBackend(), None, "m", RouterMetrics(), max_request_bytes=1000))
+    r = http.post(
+        "/v1/completions", content=b"{" + b" " * 2000 + b"}", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and "larger than 1000 bytes" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b"{}", headers={"content-length": "12abc"})
+    assert r.status_code == 413
+    assert http.get("/health").status_code == 200
