@@ -30,6 +30,7 @@ class RouterConfig:
     port: int = 8000
     max_model_len: int | None = None  # default: the model's, capped at 32,768
     api_key: str | None = None
+    max_request_bytes: int = 32 << 20  # a larger declared body is refused (413) before it is read
     burst: BurstConfig = field(default_factory=BurstConfig)
 
 
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="require it as a Bearer token on /v1/"
     )
+    parser.add_argument("--max-request-bytes", type=int, default=32 << 20, help="refuse larger bodies (413)")
     parser.add_argument("--burst-window-ms", type=float, default=5.0, help="gather a burst for this long")
     parser.add_argument(
         "--burst-max-tokens", type=int, default=16384, help="send a burst at this many tokens"
@@ -57,7 +59,14 @@ async def serve(config: RouterConfig) -> None:
     instances = InstanceSet(registry, metrics)
     backend = DisaggBackend(instances, metrics, max_model_len, config.burst)
     name = config.served_model_name or config.model
-    app = create_app(backend, load_tokenizer(config.model), name, metrics, api_key=config.api_key)
+    app = create_app(
+        backend,
+        load_tokenizer(config.model),
+        name,
+        metrics,
+        api_key=config.api_key,
+        max_request_bytes=config.max_request_bytes,
+    )
     await instances.start()
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
     try:
@@ -77,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         max_model_len=args.max_model_len,
         api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
         burst=BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens),
     )
     asyncio.run(serve(config))
