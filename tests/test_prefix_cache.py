@@ -116,3 +116,27 @@ def test_cached_tokens_reach_the_usage(cached: LLM) -> None:
     assert cached.generate(prompt, SamplingParams(max_tokens=1))[0].num_cached_tokens == 0
     assert cached.generate(prompt, SamplingParams(max_tokens=1))[0].num_cached_tokens == 64
     assert torch.is_tensor(cached.engine.prefix_cache.checkpoints.recurrent)
+
+
+def test_preemption_with_the_cache_is_exact(tiny_model_dir, plain: LLM) -> None:
+    """A pool too small for the batch: sequences are preempted and readmitted (restoring cached
+    prefixes), cache entries evicted; the tokens still equal an uncached roomy engine's."""
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_pages=30,
+        enable_prefix_caching=True,
+        num_prefix_checkpoints=4,
+    )
+    preempted = []
+    preempt = llm.engine.scheduler.preempt
+    llm.engine.scheduler.preempt = lambda seq: preempted.append(seq.request_id) or preempt(seq)
+    prompts = shared_prefix_prompts(140, (30, 40, 50, 60), seed=17)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert preempted, "the tight pool should have forced a preemption"
+    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+    llm.engine.prefix_cache.clear()
+    assert_no_leaks(llm.engine)
