@@ -140,3 +140,14 @@ def test_preemption_with_the_cache_is_exact(tiny_model_dir, plain: LLM) -> None:
     assert got == [o.token_ids for o in plain.generate(prompts, params)]
     llm.engine.prefix_cache.clear()
     assert_no_leaks(llm.engine)
+
+
+def test_eviction_spares_the_entry_being_restored(cached: LLM) -> None:
+    """Making room for a request must not evict the very entry it is about to restore."""
+    cache = cached.engine.prefix_cache
+    for seed in (18, 19):
+        cached.generate(shared_prefix_prompts(140, (10,), seed=seed)[0], SamplingParams(max_tokens=1))
+    older, newer = list(cache.entries.values())
+    assert cache.evict_one(keep=older) and list(cache.entries.values()) == [older]
+    assert not cache.evict_one(keep=older), "the kept entry is the only one left"
+    assert cache.evict_one() and not cache.entries

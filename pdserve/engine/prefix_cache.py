@@ -111,11 +111,13 @@ class PrefixCache:
         """Distinct KV pages the cache holds a reference to."""
         return len({p for entry in self.entries.values() for p in entry.pages})
 
-    def evict_one(self) -> bool:
-        """Drop the least recently used entry; False when the cache is empty."""
-        if not self.entries:
+    def evict_one(self, keep: CacheEntry | None = None) -> bool:
+        """Drop the least recently used entry other than `keep` (the one a request is about to
+        restore); False when there is none."""
+        key = next((k for k, e in self.entries.items() if e is not keep), None)
+        if key is None:
             return False
-        _, entry = self.entries.popitem(last=False)
+        entry = self.entries.pop(key)
         self.kv_pool.free(entry.pages)
         self.checkpoints.free(entry.checkpoint)
         return True

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.prefix_cache import CacheEntry, PrefixCache
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.memory import GdnStatePool, KvPagePool
 
@@ -87,7 +87,7 @@ class Scheduler:
             self._plan_checkpoint(seq, start)
             n = self._chunk(seq, start, budget)
             held = len(cached.pages) if cached else len(seq.block_table)
-            if not self._make_room(self.kv_pool.pages_for(start + n) - held):
+            if not self._make_room(self.kv_pool.pages_for(start + n) - held, keep=cached):
                 break
             self.waiting.popleft()
             seq.state_slot = self.state_pool.allocate()
@@ -113,11 +113,10 @@ class Scheduler:
             boundary = self.prefix_cache.checkpoint_boundary(seq.num_prompt_tokens)
             seq.checkpoint_at = boundary if boundary > start else None
 
-    def _make_room(self, pages: int) -> bool:
-        """True once `pages` pages are free, evicting prefix-cache entries if need be."""
-        while (
-            pages > self.kv_pool.num_free and self.prefix_cache is not None and self.prefix_cache.evict_one()
-        ):
+    def _make_room(self, pages: int, keep: CacheEntry | None = None) -> bool:
+        """True once `pages` pages are free, evicting prefix-cache entries (but `keep`) if need be."""
+        cache = self.prefix_cache
+        while pages > self.kv_pool.num_free and cache is not None and cache.evict_one(keep):
             pass
         return pages <= self.kv_pool.num_free
 
