@@ -94,6 +94,8 @@ class DecodeService:
         payload = RequestPayload(**msg["payload"])
         payload.check_pages(self.config.engine.page_size)
         peer = await self._peer(payload.prefill_agent, msg["prefill_address"])
+        if rid in self.streams:  # a second stream must not take over (or cancel) the first
+            raise ValueError(f"request id {rid!r} is already streaming here")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         finished = False
