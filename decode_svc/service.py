@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 
 from kvtransfer import RequestPayload, TransferHandle, TransferState
 from kvtransfer.payload import pool_units
-from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.rpc import RpcClient
 from pdserve.sampling.params import SamplingParams
-from pdserve.serving import ServiceConfig, engine_transfer_agent, load_report
+from pdserve.serving import EngineService, ServiceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,34 +56,16 @@ class Pending:
     arrived: float = field(default_factory=time.monotonic)
 
 
-class DecodeService:
+class DecodeService(EngineService):
     def __init__(self, config: DecodeConfig) -> None:
-        self.config = config
-        self.engine = LLMEngine(config.engine)
-        self.agent = engine_transfer_agent(self.engine, config.instance_id, config.transfer_timeout_s)
         self.pending: dict[str, Pending] = {}
         self.streams: dict[str, asyncio.Queue] = {}
         self._peers: dict[str, str] = {}  # prefill agent name -> peer name
         self._peer_lock = asyncio.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.thread.stop()
-        self.agent.close()
-
-    def extra(self) -> dict:
-        return {}
-
-    def prefix_keys(self) -> list[str]:
-        return []
+        super().__init__(config, config.transfer_timeout_s)
 
     def load(self) -> dict:
-        report = load_report(self.engine)
+        report = super().load()
         report["waiting"] += len(self.pending)
         return report
 

@@ -15,12 +15,12 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvtransfer import POOL_UNIT_DIMS, TransferAgent, model_identity
 from pdserve.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.engine_thread import EngineThread
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.registry import InstanceInfo, InstanceRegistry
 from pdserve.rpc import RpcServer, join_host_port
 
@@ -90,12 +90,46 @@ def start_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-class Service(Protocol):
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def load(self) -> dict: ...
-    def extra(self) -> dict: ...  # published once with the instance (e.g. prefix-cache settings)
-    def prefix_keys(self) -> list[str]: ...  # cached prefix blocks this instance holds (hex)
+class EngineService:
+    """What a prefill or decode service is built on: an engine, its pools registered with a NIXL
+    agent, and the engine thread; subclasses supply the thread's three callbacks and their RPCs."""
+
+    def __init__(self, config: ServiceConfig, transfer_timeout_s: float = 30.0) -> None:
+        self.config = config
+        self.engine = LLMEngine(config.engine)
+        self.agent = engine_transfer_agent(self.engine, config.instance_id, transfer_timeout_s)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.thread.stop()
+        self.agent.close()
+
+    def load(self) -> dict:
+        """The instance's load as the registry publishes it (heartbeat)."""
+        return load_report(self.engine)
+
+    def extra(self) -> dict:
+        """Published with the instance (e.g. prefix-cache settings)."""
+        return {}
+
+    def prefix_keys(self) -> list[str]:
+        """Cached prefix blocks this instance holds (hex), published in Redis."""
+        return []
+
+    # ---- the engine thread's callbacks
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+    def _on_error(self, request_ids: list[str], message: str) -> None:
+        raise NotImplementedError
+
+    def _tick(self) -> bool:
+        return False
 
 
 def prefix_cache_info(engine: LLMEngine) -> dict:
@@ -107,7 +141,7 @@ def prefix_cache_info(engine: LLMEngine) -> dict:
 
 
 async def publish_prefix_keys(
-    registry: InstanceRegistry, service: Service, instance_id: str, interval_s: float
+    registry: InstanceRegistry, service: EngineService, instance_id: str, interval_s: float
 ) -> None:
     """Keep `{ns}:prefix:{hash}` -> this instance for every block its cache holds, with a TTL of
     a few intervals, so an evicted block (or a dead instance) drops out by itself."""
@@ -127,7 +161,7 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
 async def run_service(
     role: str,
     config: ServiceConfig,
-    service: Service,
+    service: EngineService,
     server: RpcServer,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:

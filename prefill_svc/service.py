@@ -19,11 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from kvtransfer import RequestPayload
-from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.sampling.params import SamplingParams
-from pdserve.serving import ServiceConfig, engine_transfer_agent, load_report, prefix_cache_info
+from pdserve.serving import EngineService, ServiceConfig, prefix_cache_info
 
 logger = logging.getLogger(__name__)
 
@@ -41,26 +40,14 @@ class HeldRequest:
     deadline: float
 
 
-class PrefillService:
+class PrefillService(EngineService):
     def __init__(self, config: PrefillConfig) -> None:
-        self.config = config
-        self.engine = LLMEngine(config.engine)
-        self.agent = engine_transfer_agent(self.engine, config.instance_id)
         self.held: dict[str, HeldRequest] = {}
         self._futures: dict[str, asyncio.Future] = {}
         self._seqs: dict[str, Sequence] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
-        self.num_bursts = 0
         self._prefix_keys: list[str] = []  # snapshot of the cache's keys, replaced by the engine thread
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.thread.stop()
-        self.agent.close()
+        self._prefix_version = -1
+        super().__init__(config)
 
     # ---- RPC handlers
     async def prefill(self, msg: dict) -> dict:
@@ -79,7 +66,6 @@ class PrefillService:
             for rid in ids:
                 self._futures.pop(rid, None)
             raise
-        self.num_bursts += 1
         results = []
         for r in requests:
             rid = r["request_id"]
@@ -98,7 +84,7 @@ class PrefillService:
         return {"released": await self.thread.call(self._release, msg["request_id"])}
 
     def load(self) -> dict:
-        return load_report(self.engine, held=len(self.held))
+        return {**super().load(), "held": len(self.held)}
 
     def extra(self) -> dict:
         return prefix_cache_info(self.engine)
@@ -175,8 +161,10 @@ class PrefillService:
         return True
 
     def _tick(self) -> bool:
-        if self.engine.prefix_cache is not None:
-            self._prefix_keys = [key.hex() for key in self.engine.prefix_cache.entries]
+        cache = self.engine.prefix_cache
+        if cache is not None and cache.version != self._prefix_version:  # rebuilt only on a change
+            self._prefix_keys = [key.hex() for key in cache.entries]
+            self._prefix_version = cache.version
         for rid in self.agent.take_done_notifications():
             self._release(rid)
         now = time.monotonic()

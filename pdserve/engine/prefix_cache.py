@@ -15,7 +15,6 @@ next turn of a chat) rarely shares a prompt's very end.
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -60,8 +59,7 @@ class PrefixCache:
         self.tail_tokens = tail_tokens
         self.salt = salt
         self.entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # least recently used first
-        self.hits = itertools.count()
-        self.num_hit_tokens = 0
+        self.version = 0  # bumped whenever the set of entries changes
 
     def block_keys(self, token_ids: list[int]) -> list[bytes]:
         return prefix_block_keys(token_ids, self.block_size, self.salt)
@@ -90,8 +88,6 @@ class PrefixCache:
         self.checkpoints.restore(entry.checkpoint, seq.state_slot)
         seq.num_computed_tokens = entry.num_tokens
         seq.num_cached_tokens = entry.num_tokens
-        next(self.hits)
-        self.num_hit_tokens += entry.num_tokens
 
     def save(self, seq: Sequence) -> None:
         """Checkpoint `seq`, whose state now holds exactly its first `num_computed_tokens` tokens."""
@@ -105,6 +101,7 @@ class PrefixCache:
         pages = seq.block_table[: n // self.kv_pool.page_size]
         self.kv_pool.share(pages)
         self.entries[key] = CacheEntry(n, list(pages), self.checkpoints.save(seq.state_slot))
+        self.version += 1
 
     @property
     def num_pages(self) -> int:
@@ -118,6 +115,7 @@ class PrefixCache:
         if key is None:
             return False
         entry = self.entries.pop(key)
+        self.version += 1
         self.kv_pool.free(entry.pages)
         self.checkpoints.free(entry.checkpoint)
         return True
