@@ -134,11 +134,15 @@ class LLMEngine:
 
     def postprocess(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         token_ids = sampled.token_ids.tolist()  # the one host synchronisation of a step
+        logprobs = _logprob_rows(sampled)  # one more, only when some request asked for logprobs
         outputs = []
         for i, (seq, token) in enumerate(zip(seqs, token_ids, strict=True)):
             seq.output_token_ids.append(token)
-            if sampled.logprobs is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(_logprob_entry(sampled, i, token, seq.params.logprobs))
+            if logprobs is not None and seq.params.logprobs is not None:
+                chosen, top_ids, top_values = logprobs[0][i], logprobs[1][i], logprobs[2][i]
+                n = seq.params.logprobs
+                top = dict(zip(top_ids[:n], top_values[:n], strict=True))
+                seq.logprobs.append({"token_id": token, "logprob": chosen, "top_logprobs": top})
             text_delta, finished = seq.stop_checker.append(token)
             if not finished and seq.num_tokens >= self.config.max_model_len:
                 finished, seq.finish_reason = True, "length"
@@ -193,10 +197,8 @@ class _NoText:
 _NO_TEXT = _NoText()
 
 
-def _logprob_entry(sampled: SamplerOutput, row: int, token: int, n: int) -> dict:
-    top = {}
-    if n > 0:
-        ids = sampled.top_token_ids[row, :n].tolist()
-        values = sampled.top_logprobs[row, :n].tolist()
-        top = dict(zip(ids, values, strict=True))
-    return {"token_id": token, "logprob": float(sampled.logprobs[row]), "top_logprobs": top}
+def _logprob_rows(sampled: SamplerOutput) -> tuple[list, list, list] | None:
+    """The chosen tokens' logprobs and the top-n ids and logprobs of every row, on the host."""
+    if sampled.logprobs is None:
+        return None
+    return sampled.logprobs.tolist(), sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist()
