@@ -5,7 +5,8 @@ Request lifecycle (chat and completions alike):
   2. check    model name (404 model_not_found), prompt -> token ids (chat template, encode),
               length against max_model_len and max_tokens, SamplingParams (ValueError -> 400)
   3. fan out  one GenerateRequest per choice (prompt p, copy j: id "<response id>-<k>", seed + j),
-              each pumped by a task into one merged queue (`Fanout`), followed by RouterMetrics
+              each pumped by a task into one merged queue (`router.fanout.Fanout`), followed by
+              RouterMetrics
   4. first    wait for the first event of any choice (or for the client to leave): a
               BackendError now is a JSON error with the backend's status (400/500/503)
   5. answer   stream=false: collect until every choice finished -> one JSON body
@@ -19,20 +20,18 @@ Request lifecycle (chat and completions alike):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TypeVar
 
 import jinja2
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.tokenizer import Tokenizer
-from router.backend import Backend, GenerateRequest, TokenEvent
+from router.backend import Backend, GenerateRequest
 from router.errors import (
     BackendError,
     OpenAIError,
@@ -41,6 +40,7 @@ from router.errors import (
     error_response,
     install_error_handlers,
 )
+from router.fanout import ClientGone, Fanout, Item, unless_disconnected
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_ids
 from router.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
@@ -48,72 +48,6 @@ from router.responses import ChatFormat, Choice, CompletionFormat, ResponseForma
 log = logging.getLogger("pdserve.router")
 MAX_CHOICES = 128  # prompts x n of one request: a typo'd n must not queue millions of generations
 ENCODE_INLINE_CHARS = 20_000  # longer texts are tokenized on a worker thread
-T = TypeVar("T")
-Item = tuple[int, TokenEvent | BackendError]
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the answer was ready."""
-
-
-class Fanout:
-    """One backend generation per choice, their events merged into one queue as (choice, event)."""
-
-    def __init__(
-        self, backend: Backend, requests: list[GenerateRequest], metrics: RouterMetrics, arrival: float
-    ) -> None:
-        self.backend = backend
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
-        self.tasks = [
-            asyncio.create_task(self._pump(i, req, metrics, arrival)) for i, req in enumerate(requests)
-        ]
-
-    async def _pump(self, index: int, req: GenerateRequest, metrics: RouterMetrics, arrival: float) -> None:
-        tracker = metrics.track(len(req.prompt_token_ids), arrival)
-        try:
-            async with contextlib.aclosing(self.backend.generate(req)) as events:
-                async for event in events:
-                    tracker.on_tokens(len(event.token_ids), event.finish_reason if event.finished else None)
-                    self.queue.put_nowait((index, event))
-                    if event.finished:
-                        return
-            raise BackendError("the backend ended a stream without finishing it", 500)
-        except BackendError as e:
-            tracker.on_error()
-            self.queue.put_nowait((index, e))
-        except Exception as e:  # a bug in a backend: the client gets an error, the server lives on
-            log.exception("backend generate(%s) failed", req.request_id)
-            tracker.on_error()
-            self.queue.put_nowait((index, BackendError(f"backend failure: {type(e).__name__}: {e}", 500)))
-        finally:
-            tracker.close()
-
-    async def next(self) -> Item:
-        return await self.queue.get()
-
-    def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
-    """`await awaitable`, or raise ClientGone (cancelling it) if the client leaves first."""
-    work = asyncio.ensure_future(awaitable)
-    gone = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-    if work.cancelled():
-        raise ClientGone
-    return work.result()
 
 
 def _sse(data: dict | str) -> str:
@@ -203,7 +137,7 @@ class OpenAIRouter:
                 choices.append(Choice(index=len(choices), prompt_tokens=len(ids), prefix=echo))
         fanout = Fanout(self.backend, requests, self.metrics, arrival)
         try:
-            first = await _unless_disconnected(request, fanout.next())
+            first = await unless_disconnected(request, fanout.next())
             if isinstance(first[1], BackendError):
                 raise first[1]
             if body.stream:
@@ -211,7 +145,7 @@ class OpenAIRouter:
                 fanout = None  # the stream owns it now
                 return StreamingResponse(stream, media_type="text/event-stream")
             return JSONResponse(
-                await _unless_disconnected(request, self._collect(fmt, fanout, choices, first))
+                await unless_disconnected(request, self._collect(fmt, fanout, choices, first))
             )
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
