@@ -117,20 +117,6 @@ def test_stop_strings_and_logprobs_equal_offline(client: openai.OpenAI, offline:
     assert len(ours) >= 2 and ours == pytest.approx(theirs, abs=1e-4)
 
 
-def test_prefix_cache_hit_equals_offline(client: openai.OpenAI, offline: LLM) -> None:
-    """The prefill instance runs with the prefix cache: a repeated long prompt reuses its
-    checkpointed prefix (reported as cached tokens) and still gives the offline tokens."""
-    prompt = " ".join(f"fact {i} is that the sky is blue;" for i in range(25))
-    expected = greedy(offline, prompt, 8)
-    for attempt in range(2):
-        reply = client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
-        )
-        assert reply.choices[0].text == expected
-        cached = reply.usage.prompt_tokens_details.cached_tokens
-        assert (cached > 0) == (attempt == 1), f"attempt {attempt}: {cached} cached tokens"
-
-
 def test_seeded_sampling_equals_offline(client: openai.OpenAI, offline: LLM) -> None:
     """The decode instance continues the seeded random stream the prefill instance started."""
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=16, ignore_eos=True)

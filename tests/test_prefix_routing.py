@@ -75,3 +75,19 @@ def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, tiny_mode
         model="tiny", prompt=other, max_tokens=2, extra_body={"ignore_eos": True}
     )
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_prefix_cache_hit_equals_offline(stack: Stack, tiny_model_dir) -> None:
+    """The prefill instance runs with the prefix cache: a repeated long prompt reuses its
+    checkpointed prefix (reported as cached tokens) and still gives the offline tokens."""
+    prompt = " ".join(f"fact {i} is that the sky is blue;" for i in range(25))
+    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
+    for attempt in range(2):
+        reply = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.choices[0].text == expected
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        assert (cached > 0) == (attempt == 1), f"attempt {attempt}: {cached} cached tokens"
