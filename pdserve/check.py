@@ -40,8 +40,7 @@ def prefill_states(engine: LLMEngine, prompts: list[list[int]], token_budget: in
     for p in prompts:
         seq = engine.make_sequence(p, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         seq.hold_memory = True
-        engine.requests[seq.request_id] = seq
-        engine.scheduler.add(seq)
+        engine.enqueue(seq)
         seqs.append(seq)
     logits, passes = {}, 0
     try:

@@ -49,8 +49,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
         for seq in seqs:
-            self.engine.requests[seq.request_id] = seq
-            self.engine.scheduler.add(seq)
+            self.engine.enqueue(seq)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(seqs), desc="generating", disable=not use_tqdm)
         try:

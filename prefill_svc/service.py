@@ -108,8 +108,7 @@ class PrefillService(EngineService):
                 continue
             seq.prefill_only = True
             self._seqs[rid] = seq
-            self.engine.requests[rid] = seq
-            self.engine.scheduler.add(seq)
+            self.engine.enqueue(seq)
         return errors
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -106,9 +106,13 @@ class LLMEngine:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         seq = self.make_sequence(prompt, params, request_id)
+        self.enqueue(seq)
+        return seq.request_id
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Queue a sequence built by `make_sequence` (and perhaps marked prefill-only)."""
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
-        return seq.request_id
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
