@@ -20,7 +20,11 @@ from pdserve.tokenizer import Tokenizer, load_tokenizer
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step; `new_token_ids`/`text_delta` are what this step added."""
+    """A request's state after a step; `new_token_ids`/`text_delta` are what this step added.
+
+    `token_ids` and `logprobs` are the request's own lists (not copied every step: that would
+    cost O(length) per token), complete once `finished`.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -178,7 +182,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids,
             text=seq.stop_checker.text,
             finished=seq.status is SequenceStatus.FINISHED,
             handed_over=seq.hold_memory,
@@ -187,7 +191,7 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             new_token_ids=new_tokens,
             text_delta=text_delta,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
         )
 
 
