@@ -11,8 +11,18 @@ current load) until it stops; one that crashes or hangs simply expires. The rout
 later: the instance that saves a prefix checkpoint claims its block hash with
 `set_prefix_owner`, and the router asks `prefix_owners` which instance holds a prompt's blocks.
 
-`RedisServer` starts a private `redis-server` on a free loopback port (used by `pdserve up`
-when no Redis URL is given, and by the tests).
+`RedisServer` (`pdserve.redis_server`, importable from here too) starts a private
+`redis-server` on a free loopback port (used by `pdserve up` without a Redis URL, and by tests).
+
+Closed to others (`pdserve.internal_auth`):
+- Password / ACL user: `redis://user:pass@host:port` in the URL, or, when the URL has none,
+  PDSERVE_REDIS_PASSWORD_FILE / PDSERVE_REDIS_PASSWORD (so no command line shows it).
+- Signed values: with the internal secret, every value is the envelope
+  `{"value": <text>, "hmac": <hex HMAC-SHA256 of the key and the text>}`; readers drop values
+  that are unsigned or do not verify (a rate-limited warning), so a client that can write to
+  Redis but lacks the secret cannot add an instance or claim a prefix. Readers without a secret
+  accept both forms. (A signed value can be replayed under its own key until overwritten: a
+  copy of a live instance's entry, never a new address.)
 """
 
 from __future__ import annotations
@@ -20,19 +30,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
 
-from pdserve.rpc import free_port
+from pdserve.internal_auth import (
+    FROM_ENV,
+    RateLimitedWarning,
+    SecretArg,
+    load_redis_password,
+    open_value,
+    registry_signing_key,
+    resolve_secret,
+    seal_value,
+)
+from pdserve.redis_server import RedisServer as RedisServer  # re-exported: its old home
 
 log = logging.getLogger("pdserve.registry")
 ROLES = ("prefill", "decode")
@@ -75,14 +92,49 @@ def _check_role(role: str) -> None:
 
 class InstanceRegistry:
     """The instance and prefix keys of one namespace in one Redis (redis.asyncio).
-    `async with InstanceRegistry(url) as registry:` closes the connections at the end."""
+    `async with InstanceRegistry(url) as registry:` closes the connections at the end.
 
-    def __init__(self, redis_url: str, namespace: str = "pdserve") -> None:
+    `password`: used when the URL has none (default: `load_redis_password()`). `secret`: signs
+    what this registry writes and checks what it reads (FROM_ENV: `load_internal_secret()`).
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str = "pdserve",
+        secret: SecretArg = FROM_ENV,
+        password: str | None = None,
+    ) -> None:
         self.namespace = namespace
+        secret = resolve_secret(secret)
+        self._signing_key = None if secret is None else registry_signing_key(secret)
+        self._warn_unsigned = RateLimitedWarning(log)
+        if urlsplit(redis_url).password is None:
+            password = password if password is not None else load_redis_password()
+        else:
+            password = None  # the URL's own
         # short socket timeouts: a dead Redis must fail a heartbeat, not hang it
         self._redis = aioredis.from_url(
-            redis_url, decode_responses=True, socket_connect_timeout=2.0, socket_timeout=2.0
+            redis_url,
+            decode_responses=True,
+            socket_connect_timeout=2.0,
+            socket_timeout=2.0,
+            **({} if password is None else {"password": password}),
         )
+
+    @property
+    def signed(self) -> bool:
+        """Whether values are signed on write and checked on read."""
+        return self._signing_key is not None
+
+    def _seal(self, key: str, value: str) -> str:
+        return seal_value(self._signing_key, key, value)
+
+    def _open(self, key: str, stored: str) -> str | None:
+        value = open_value(self._signing_key, key, stored)
+        if value is None:
+            self._warn_unsigned("dropping Redis key %s: unsigned or wrong signature (no secret?)", key)
+        return value
 
     def _instance_key(self, role: str, instance_id: str) -> str:
         return f"{self.namespace}:instance:{role}:{instance_id}"
@@ -96,9 +148,8 @@ class InstanceRegistry:
 
     async def register(self, info: InstanceInfo, ttl_s: float = 3.0) -> None:
         """Write (or refresh) the instance's key; it expires after `ttl_s` without a refresh."""
-        await self._redis.set(
-            self._instance_key(info.role, info.instance_id), info.to_json(), px=max(1, round(ttl_s * 1000))
-        )
+        key = self._instance_key(info.role, info.instance_id)
+        await self._redis.set(key, self._seal(key, info.to_json()), px=max(1, round(ttl_s * 1000)))
 
     async def heartbeat_forever(
         self, get_info: Callable[[], InstanceInfo], interval_s: float = 1.0, ttl_s: float = 3.0
@@ -134,27 +185,39 @@ class InstanceRegistry:
         if not keys:
             return []
         found = []
-        for key, text in zip(keys, await self._redis.mget(keys), strict=True):
-            if text is None:  # expired between SCAN and MGET
+        for key, stored in zip(keys, await self._redis.mget(keys), strict=True):
+            text = None if stored is None else self._open(key, stored)
+            if text is None:  # expired between SCAN and MGET, or not signed
                 continue
             try:
-                found.append(InstanceInfo.from_json(text))
+                info = InstanceInfo.from_json(text)
             except (ValueError, TypeError) as e:
                 log.warning("ignoring malformed instance key %s: %s", key, e)
+                continue
+            if key != self._instance_key(role, info.instance_id):
+                log.warning("ignoring instance key %s: it holds %s %r", key, info.role, info.instance_id)
+                continue
+            found.append(info)
         return sorted(found, key=lambda info: info.instance_id)
 
     async def set_prefix_owner(self, block_hash: str, instance_id: str, ttl_s: float | None) -> None:
         """Record that `instance_id` holds the cached prefix block `block_hash` (for `ttl_s`, or
         until overwritten when None). Filled by the prefix cache later."""
         px = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        await self._redis.set(self._prefix_key(block_hash), instance_id, px=px)
+        key = self._prefix_key(block_hash)
+        await self._redis.set(key, self._seal(key, instance_id), px=px)
 
     async def prefix_owners(self, block_hashes: list[str]) -> dict[str, str]:
         """{block_hash: instance_id} for the hashes that have an owner (others are left out)."""
         if not block_hashes:
             return {}
-        owners = await self._redis.mget([self._prefix_key(h) for h in block_hashes])
-        return {h: owner for h, owner in zip(block_hashes, owners, strict=True) if owner is not None}
+        keys = [self._prefix_key(h) for h in block_hashes]
+        owners = {}
+        for block_hash, key, stored in zip(block_hashes, keys, await self._redis.mget(keys), strict=True):
+            owner = None if stored is None else self._open(key, stored)
+            if owner is not None:
+                owners[block_hash] = owner
+        return owners
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -164,80 +227,3 @@ class InstanceRegistry:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class RedisServer:
-    """A private `redis-server` (no persistence) on a free loopback port, in a temp folder.
-
-    with RedisServer() as server:
-        registry = InstanceRegistry(server.url)
-    """
-
-    def __init__(self, binary: str = "redis-server", host: str = "127.0.0.1") -> None:
-        self.binary = binary
-        self.host = host
-        self.port = 0
-        self._proc: subprocess.Popen | None = None
-        self._dir: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start the server and wait until it answers PING; raises RuntimeError when it does not."""
-        if shutil.which(self.binary) is None:
-            raise RuntimeError(f"{self.binary} not found (apt-get install redis-server)")
-        self._dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
-        for _attempt in range(3):  # the free port can be taken before redis binds it: retry
-            self.port = free_port(self.host)
-            args = ["--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
-            with open(self._dir / "redis.log", "wb") as out:
-                self._proc = subprocess.Popen(
-                    [self.binary, *args, "--dir", str(self._dir)],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )
-            if self._wait_ready(timeout):
-                return self
-        tail = (self._dir / "redis.log").read_text(errors="replace")[-2000:]
-        self.stop()
-        raise RuntimeError(f"redis-server did not start:\n{tail}")
-
-    def _wait_ready(self, timeout: float) -> bool:
-        assert self._proc is not None
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline and self._proc.poll() is None:
-                try:
-                    if client.ping():
-                        return True
-                except redis.RedisError:
-                    time.sleep(0.02)
-        finally:
-            client.close()
-        self._proc.kill()
-        self._proc.wait()
-        return False
-
-    def stop(self, grace: float = 5.0) -> None:
-        """Terminate the server (kill it after `grace` seconds) and remove its folder."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        self._proc = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def __enter__(self) -> RedisServer:
-        return self if self._proc is not None else self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -22,6 +22,12 @@ generator early) cancels the call; the server handler then sees `CancelledError`
 
 Every server also answers `pdserve.Rpc/Ping` (used by `RpcClient.ping` and by the container
 healthchecks: `python -m pdserve.rpc HOST:PORT` exits 0 when the server answers).
+
+The internal secret (`pdserve.internal_auth`; `secret=` of server and client, by default
+`load_internal_secret()`, None: no auth): a client sends it with every call; a server that has
+one refuses any call without it with UNAUTHENTICATED before the handler runs. Ping stays open
+for healthchecks and tells only the service and method names (public in the source). A client
+hands its secret to every server it calls: dial only addresses from the signed registry.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import msgpack
+
+from pdserve.internal_auth import FROM_ENV, CallGate, SecretArg, auth_metadata, resolve_secret
+from pdserve.internal_auth import load_internal_secret as load_internal_secret  # re-exported
 
 log = logging.getLogger("pdserve.rpc")
 
@@ -107,8 +116,12 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exceptio
     await context.abort(status, message)
 
 
-def _unary_method(method: str, handler: UnaryHandler) -> grpc.RpcMethodHandler:
+_OPEN = CallGate(None)
+
+
+def _unary_method(method: str, handler: UnaryHandler, gate: CallGate = _OPEN) -> grpc.RpcMethodHandler:
     async def call(request: dict, context: grpc.aio.ServicerContext) -> dict:
+        await gate.check(context, method)
         try:
             return await handler(request)
         except Exception as e:
@@ -118,10 +131,16 @@ def _unary_method(method: str, handler: UnaryHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(call, request_deserializer=unpack, response_serializer=pack)
 
 
-async def _call_unary(channel: grpc.aio.Channel, method: str, request: dict, timeout: float | None) -> dict:
+async def _call_unary(
+    channel: grpc.aio.Channel,
+    method: str,
+    request: dict,
+    timeout: float | None,
+    metadata: tuple[tuple[str, str], ...] | None = None,
+) -> dict:
     call = channel.unary_unary(method, request_serializer=pack, response_deserializer=unpack)
     try:
-        return await call(request, timeout=timeout)
+        return await call(request, timeout=timeout, metadata=metadata)
     except grpc.aio.AioRpcError as e:
         raise RpcError.from_grpc(e) from None
 
@@ -140,22 +159,30 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RpcServer:
-    """One gRPC service (`service` is its full name, e.g. "pdserve.Decode") on an asyncio server."""
+    """One gRPC service (`service` is its full name, e.g. "pdserve.Decode") on an asyncio server.
+    `secret`: the internal secret every call must carry (FROM_ENV: `load_internal_secret()`;
+    None: calls need none)."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(self, service: str, secret: SecretArg = FROM_ENV) -> None:
         self.service = service
+        self._gate = CallGate(resolve_secret(secret))
         self._methods: dict[str, grpc.RpcMethodHandler] = {}
         self._server: grpc.aio.Server | None = None
 
     def unary(self, name: str, handler: UnaryHandler) -> None:
         """Serve `name`: one request dict in, one response dict out."""
-        self._methods[name] = _unary_method(f"/{self.service}/{name}", handler)
+        self._methods[name] = _unary_method(f"/{self.service}/{name}", handler, self._gate)
+
+    @property
+    def requires_secret(self) -> bool:
+        return self._gate.secret is not None
 
     def stream(self, name: str, handler: StreamHandler) -> None:
         """Serve `name`: one request dict in, a stream of response dicts out (an async generator)."""
         method = f"/{self.service}/{name}"
 
         async def call(request: dict, context: grpc.aio.ServicerContext) -> None:
+            await self._gate.check(context, method)
             try:
                 # aclosing: a cancelled call closes the handler's generator right away
                 async with contextlib.aclosing(handler(request)) as items:
@@ -209,11 +236,13 @@ class RpcServer:
 
 
 class RpcClient:
-    """Calls the methods of one service at `address` ("host:port") over one channel."""
+    """Calls the methods of one service at `address` ("host:port") over one channel, sending
+    `secret` with every call (FROM_ENV: `load_internal_secret()`; None: no secret)."""
 
-    def __init__(self, address: str, service: str) -> None:
+    def __init__(self, address: str, service: str, secret: SecretArg = FROM_ENV) -> None:
         self.address = address
         self.service = service
+        self._metadata = auth_metadata(resolve_secret(secret))
         self._channel: grpc.aio.Channel | None = None
 
     def _channel_now(self) -> grpc.aio.Channel:
@@ -223,14 +252,15 @@ class RpcClient:
 
     async def unary(self, name: str, request: dict, timeout: float | None = None) -> dict:
         """Call `name` and return its response; raises `RpcError`."""
-        return await _call_unary(self._channel_now(), f"/{self.service}/{name}", request, timeout)
+        method = f"/{self.service}/{name}"
+        return await _call_unary(self._channel_now(), method, request, timeout, self._metadata)
 
     async def stream(self, name: str, request: dict, timeout: float | None = None) -> AsyncIterator[dict]:
         """Call `name` and yield its responses; raises `RpcError`. Closing the generator cancels the call."""
         method = self._channel_now().unary_stream(
             f"/{self.service}/{name}", request_serializer=pack, response_deserializer=unpack
         )
-        call = method(request, timeout=timeout)
+        call = method(request, timeout=timeout, metadata=self._metadata)
         try:
             async for item in call:
                 yield item
@@ -241,7 +271,7 @@ class RpcClient:
 
     async def ping(self, timeout: float = 2.0) -> dict:
         """Ask the server which service it runs: {"service": ..., "methods": [...]}."""
-        return await _call_unary(self._channel_now(), f"/{PING_SERVICE}/Ping", {}, timeout)
+        return await _call_unary(self._channel_now(), f"/{PING_SERVICE}/Ping", {}, timeout, self._metadata)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -250,7 +280,7 @@ class RpcClient:
 
 
 async def _ping_main(address: str, timeout: float) -> int:
-    client = RpcClient(address, PING_SERVICE)
+    client = RpcClient(address, PING_SERVICE, secret=None)  # Ping is open
     try:
         print(await client.ping(timeout))
         return 0

@@ -1,0 +1,322 @@
+"""The closed internal plane: the gRPC secret, Redis with a password, signed registry values.
+Real gRPC servers on loopback and a real redis-server; each test runs its own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from pdserve.internal_auth import SECRET_ENV, SECRET_FILE_ENV, RateLimitedWarning
+from pdserve.registry import InstanceInfo, InstanceRegistry, RedisServer
+from pdserve.rpc import RpcClient, RpcError, RpcServer, load_internal_secret
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = b"s3cret-for-tests-0123456789"
+SERVICE = "test.Guarded"
+
+
+@pytest.fixture(autouse=True)
+def no_secret_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts without an internal secret in the environment; it sets its own."""
+    for name in (SECRET_ENV, SECRET_FILE_ENV, "PDSERVE_REDIS_PASSWORD", "PDSERVE_REDIS_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+# ---- the secret
+def test_secret_comes_from_the_file_first_then_the_variable(monkeypatch, tmp_path: Path) -> None:
+    assert load_internal_secret() is None
+    monkeypatch.setenv(SECRET_ENV, "from-the-variable-0123")
+    assert load_internal_secret() == b"from-the-variable-0123"
+    path = tmp_path / "secret"
+    path.write_text("  from-the-file-0123456789\n")
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
+    assert load_internal_secret() == b"from-the-file-0123456789"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(None, "cannot read it"), ("\n", "the file is empty"), ("short", "16 to 4096 characters, got 5")],
+)
+def test_a_named_secret_file_that_is_unusable_is_an_error(monkeypatch, tmp_path, content, match) -> None:
+    """Fail closed: a file that is named but missing, empty or weak is never "no secret"."""
+    path = tmp_path / "secret"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
+    monkeypatch.setenv(SECRET_ENV, "a-good-fallback-0123456789")  # the file wins, even broken
+    with pytest.raises(ValueError, match=match):
+        load_internal_secret()
+    with pytest.raises(ValueError, match=match):
+        RpcServer(SERVICE)
+    monkeypatch.setenv(SECRET_ENV, "has a space in it 0123")
+    with pytest.raises(ValueError, match="printable ASCII without spaces"):
+        RpcClient("127.0.0.1:1", SERVICE, secret=b"has a space in it 0123")
+
+
+# ---- gRPC
+@contextlib.asynccontextmanager
+async def guarded_server(secret: bytes | None, calls: list[str]) -> AsyncIterator[str]:
+    """A server whose handlers record each call they run; yields its address."""
+    server = RpcServer(SERVICE, secret=secret)
+
+    async def echo(request: dict) -> dict:
+        calls.append("echo")
+        return {"echo": request}
+
+    async def count(request: dict) -> AsyncIterator[dict]:
+        calls.append("count")
+        for i in range(request["n"]):
+            yield {"i": i}
+
+    server.unary("echo", echo)
+    server.stream("count", count)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+async def outcome(address: str, secret: bytes | None) -> tuple[str, str]:
+    """(unary result, stream result) of one client: "ok" or the status code name."""
+    client = RpcClient(address, SERVICE, secret=secret)
+    results = []
+    try:
+        try:
+            assert await client.unary("echo", {"x": 1}, timeout=5) == {"echo": {"x": 1}}
+            results.append("ok")
+        except RpcError as e:
+            results.append(e.code)
+        try:
+            assert [item async for item in client.stream("count", {"n": 3}, timeout=5)] == [
+                {"i": 0},
+                {"i": 1},
+                {"i": 2},
+            ]
+            results.append("ok")
+        except RpcError as e:
+            results.append(e.code)
+        return results[0], results[1]
+    finally:
+        await client.close()
+
+
+def test_calls_without_the_secret_are_refused_before_the_handler_runs() -> None:
+    async def main() -> None:
+        calls: list[str] = []
+        async with guarded_server(SECRET, calls) as address:
+            assert await outcome(address, None) == ("UNAUTHENTICATED", "UNAUTHENTICATED")
+            assert await outcome(address, b"the-wrong-secret-0123456789") == ("UNAUTHENTICATED",) * 2
+            assert await outcome(address, SECRET + b"x") == ("UNAUTHENTICATED",) * 2
+            assert calls == []  # no handler ran for a refused call
+            assert await outcome(address, SECRET) == ("ok", "ok")
+            assert calls == ["echo", "count"]
+            client = RpcClient(address, SERVICE, secret=None)
+            try:
+                with pytest.raises(RpcError, match="needs the internal secret"):
+                    await client.unary("echo", {}, timeout=5)
+                # Ping stays open for healthchecks and tells no more than the method names
+                assert await client.ping() == {"service": SERVICE, "methods": ["count", "echo"]}
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+
+
+def test_the_bearer_scheme_is_case_insensitive() -> None:
+    async def main() -> None:
+        async with guarded_server(SECRET, []) as address:
+            client = RpcClient(address, SERVICE, secret=None)
+            client._metadata = (("authorization", "bearer " + SECRET.decode()),)
+            try:
+                assert await client.unary("echo", {}, timeout=5) == {"echo": {}}
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+
+
+def test_both_sides_take_the_secret_from_the_environment_by_default(monkeypatch) -> None:
+    async def main() -> tuple[tuple[str, str], tuple[str, str]]:
+        server = RpcServer(SERVICE)  # FROM_ENV
+        server.unary("echo", lambda request: asyncio.sleep(0, {"echo": request}))
+        server.stream("count", lambda request: _count(request["n"]))
+        port = await server.start("127.0.0.1", 0)
+        try:
+            address = f"127.0.0.1:{port}"
+            default_client = RpcClient(address, SERVICE)
+            try:
+                got = await default_client.unary("echo", {}, timeout=5)
+            finally:
+                await default_client.close()
+            assert got == {"echo": {}}
+            return await outcome(address, SECRET), await outcome(address, None)
+        finally:
+            await server.stop(0)
+
+    monkeypatch.setenv(SECRET_ENV, SECRET.decode())
+    assert asyncio.run(main()) == (("ok", "ok"), ("UNAUTHENTICATED", "UNAUTHENTICATED"))
+
+
+async def _count(n: int) -> AsyncIterator[dict]:
+    for i in range(n):
+        yield {"i": i}
+
+
+def test_a_server_without_a_secret_serves_every_client() -> None:
+    """No secret configured anywhere: the plane is open, as before (and a client's secret is moot)."""
+
+    async def main() -> None:
+        async with guarded_server(None, []) as address:
+            assert await outcome(address, None) == ("ok", "ok")
+            assert await outcome(address, SECRET) == ("ok", "ok")
+
+    asyncio.run(main())
+
+
+def test_rate_limited_warning_counts_what_it_leaves_out(caplog) -> None:
+    warn = RateLimitedWarning(logging.getLogger("test.rate"), every_s=0.2)
+    with caplog.at_level(logging.WARNING, "test.rate"):
+        for i in range(5):
+            warn("dropped %s", i)
+        assert [r.getMessage() for r in caplog.records] == ["dropped 0"]
+        warn._last -= 1.0  # as if the period had passed
+        warn("dropped %s", 5)
+    assert caplog.records[-1].getMessage() == "dropped 5 (and 4 more like it since the last warning)"
+
+
+# ---- Redis: the password
+ODD_PASSWORD = 'p w"\\x{}$(id)\n\t'  # every kind of character redis.conf could trip over
+
+
+def command_lines() -> str:
+    """Every command line `ps` can show on this machine."""
+    return subprocess.run(["ps", "-eww", "-o", "args="], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("password", ["pw-0123456789abcdef", ODD_PASSWORD])
+def test_redis_password_is_required_and_on_no_command_line(password: str) -> None:
+    with RedisServer(password=password) as server:
+        assert password not in server.url and password not in " ".join(server._proc.args)
+        assert password.strip() not in command_lines()
+        assert password.encode() not in Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        with redis.Redis(host=server.host, port=server.port) as anonymous:
+            with pytest.raises(redis.AuthenticationError):
+                anonymous.ping()
+        with redis.Redis(host=server.host, port=server.port, password=password) as client:
+            assert client.ping()
+
+        async def main() -> None:
+            async with InstanceRegistry(server.url, "pw") as registry:
+                with pytest.raises(redis.AuthenticationError):
+                    await registry.register(info("decode", "d-0"))
+            async with InstanceRegistry(server.url, "pw", password=password) as registry:
+                await registry.register(info("decode", "d-0"))
+                assert [i.instance_id for i in await registry.instances("decode")] == ["d-0"]
+
+        asyncio.run(main())
+
+
+def test_redis_password_from_the_url_or_the_environment(monkeypatch) -> None:
+    """`redis://user:pass@...` works, and so does a URL without one plus PDSERVE_REDIS_PASSWORD
+    (for the default user and for an ACL user named in the URL)."""
+    with RedisServer(password="default-user-pw-0123") as server:
+        with redis.Redis(host=server.host, port=server.port, password=server.password) as admin:
+            admin.execute_command("ACL", "SETUSER", "pdserve", "on", ">acl-user-pw-0123", "~acl:*", "+@all")
+        hostport = f"{server.host}:{server.port}"
+
+        async def registered(url: str, namespace: str) -> list[str]:
+            async with InstanceRegistry(url, namespace) as registry:
+                await registry.register(info("prefill", "p-0"))
+                return [i.instance_id for i in await registry.instances("prefill")]
+
+        async def main() -> None:
+            assert await registered(f"redis://:default-user-pw-0123@{hostport}/0", "url") == ["p-0"]
+            assert await registered(f"redis://pdserve:acl-user-pw-0123@{hostport}/0", "acl") == ["p-0"]
+            with pytest.raises(redis.RedisError, match="permissions|NOPERM|No permissions"):
+                await registered(f"redis://pdserve:acl-user-pw-0123@{hostport}/0", "not-acl")
+            monkeypatch.setenv("PDSERVE_REDIS_PASSWORD", "acl-user-pw-0123")
+            assert await registered(f"redis://pdserve@{hostport}/0", "acl") == ["p-0"]
+            monkeypatch.setenv("PDSERVE_REDIS_PASSWORD", "default-user-pw-0123")
+            assert await registered(server.url, "env") == ["p-0"]
+            # a password in the URL wins over the environment's
+            monkeypatch.setenv("PDSERVE_REDIS_PASSWORD", "wrong-password-0123")
+            assert await registered(f"redis://:default-user-pw-0123@{hostport}/0", "url") == ["p-0"]
+
+        asyncio.run(main())
+
+
+# ---- Redis: signed values
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def info(role: str, instance_id: str, address: str = "127.0.0.1:50051") -> InstanceInfo:
+    return InstanceInfo(role, instance_id, address, load={"running": 0}, started_at=1.5)
+
+
+def test_instances_written_without_the_secret_are_dropped(redis_server: RedisServer, caplog) -> None:
+    attacker = redis.Redis(host=redis_server.host, port=redis_server.port, decode_responses=True)
+
+    async def main() -> None:
+        async with (
+            InstanceRegistry(redis_server.url, "sig", secret=SECRET) as signed,
+            InstanceRegistry(redis_server.url, "sig", secret=b"another-secret-0123456789") as other,
+            InstanceRegistry(redis_server.url, "sig", secret=None) as unsigned,
+        ):
+            assert signed.signed and not unsigned.signed
+            await signed.register(info("decode", "d-0"))
+            await other.register(info("decode", "by-another-secret"))
+            await unsigned.register(info("decode", "by-no-secret"))
+            evil = info("decode", "evil", address="203.0.113.9:50051")
+            attacker.set("sig:instance:decode:evil", evil.to_json())  # plain JSON
+            stored = json.loads(attacker.get("sig:instance:decode:d-0"))
+            forged = {"value": evil.to_json(), "hmac": stored["hmac"]}  # d-0's MAC on other text
+            attacker.set("sig:instance:decode:evil2", json.dumps(forged))
+            attacker.set("sig:instance:decode:copy", json.dumps(stored))  # a valid value, other key
+            with caplog.at_level(logging.WARNING, "pdserve.registry"):
+                assert [i.instance_id for i in await signed.instances("decode")] == ["d-0"]
+                assert (await signed.instances("decode"))[0] == info("decode", "d-0")
+            dropped = [r for r in caplog.records if "unsigned or wrong signature" in r.getMessage()]
+            assert len(dropped) == 1  # rate-limited: one warning for several dropped keys
+            # without a secret everything that parses is taken: the forged keys were really there
+            seen = {i.instance_id for i in await unsigned.instances("decode")}
+            assert {"evil", "d-0", "by-no-secret", "by-another-secret"} <= seen
+
+    try:
+        asyncio.run(main())
+    finally:
+        attacker.close()
+
+
+def test_prefix_owners_written_without_the_secret_are_dropped(redis_server: RedisServer) -> None:
+    attacker = redis.Redis(host=redis_server.host, port=redis_server.port, decode_responses=True)
+
+    async def main() -> None:
+        async with (
+            InstanceRegistry(redis_server.url, "psig", secret=SECRET) as signed,
+            InstanceRegistry(redis_server.url, "psig", secret=None) as unsigned,
+        ):
+            await signed.set_prefix_owner("aa", "prefill-0", ttl_s=30)
+            await signed.set_prefix_owner("bb", "prefill-1", ttl_s=30)
+            attacker.set("psig:prefix:cc", "evil-prefill")
+            attacker.set("psig:prefix:dd", attacker.get("psig:prefix:aa"))  # replayed under another key
+            hashes = ["aa", "bb", "cc", "dd", "ee"]
+            assert await signed.prefix_owners(hashes) == {"aa": "prefill-0", "bb": "prefill-1"}
+            owners = {"aa": "prefill-0", "bb": "prefill-1", "cc": "evil-prefill", "dd": "prefill-0"}
+            assert await unsigned.prefix_owners(hashes) == owners
+
+    try:
+        asyncio.run(main())
+    finally:
+        attacker.close()
