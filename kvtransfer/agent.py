@@ -31,12 +31,25 @@ NIXL behaviours this code relies on (nixl 1.5.1):
 So `progress_thread=None` (the default) turns the thread on for VRAM pools (GPU hosts: cores to
 spare, latency matters) and off for DRAM pools (CPU machines). With it off, the prefill side
 must call take_done_notifications() often, e.g. every step of its loop and while idle.
+
+What listens (measured, nixl 1.5.1 / UCX 1.23, DRAM pools, 2026-12-01): NIXL's own listener
+thread is off (`enable_listen_thread=False`: metadata goes through our gRPC handshake). UCX's
+tcp transport opens one LISTEN socket per network interface when an agent is created (none
+more at a pull), even though the data moves by CMA; a pull then connects to the peer's (TCP
+wire-up and notifications). No UDP socket. Without a bind host that was 127.0.0.1 and the
+external address (eth0). `bind_host` (the service's --host) narrows it (`kvtransfer.ucx_bind`):
+127.0.0.1 -> `UCX_NET_DEVICES=lo`, `UCX_TCP_AF_PRIO=inet`: only 127.0.0.1 listens; ::1 -> only
+::1; another address -> only its interface (its address of that family); 0.0.0.0 or None ->
+every interface. These variables are set only while the NIXL agent is created (UCX reads them
+then; the process environment is restored after), and one the operator set already is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -46,6 +59,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 from kvtransfer.base import BaseTransferAgent, TransferHandle, TransferState, done_message, parse_done
 from kvtransfer.compat import TransferEndpoint
 from kvtransfer.layout import pull_descs
+from kvtransfer.ucx_bind import ucx_bind_env
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +77,27 @@ UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}  # for VRAM pools; see the
 _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.TRANSFERRING, "ERR": TransferState.FAILED}
 
 
+@contextlib.contextmanager
+def _environment(overrides: dict[str, str]) -> Iterator[None]:
+    """`os.environ` with `overrides` set, restored afterwards."""
+    saved = {key: os.environ.get(key) for key in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 class TransferAgent(BaseTransferAgent):
     """A NIXL agent (UCX backend) with this process's pools registered.
 
     pools: e.g. {"kv": [L_attn, 2, num_pages, page_size, Hkv, D], "conv": [L_gdn, num_slots, C, W-1],
     "recurrent": [L_gdn, num_slots, Hv, Dk, Dv]} with unit_dims {"kv": 2, "conv": 1, "recurrent": 1}.
+    `bind_host`: the address the service binds; UCX listens only on its interface (see above).
     """
 
     def __init__(
@@ -79,6 +109,7 @@ class TransferAgent(BaseTransferAgent):
         page_size: int,
         timeout_s: float = 30.0,
         progress_thread: bool | None = None,
+        bind_host: str | None = None,
     ) -> None:
         super().__init__(name, pools, unit_dims, model, page_size, timeout_s)
         if self.mem_type == "VRAM":
@@ -87,7 +118,11 @@ class TransferAgent(BaseTransferAgent):
         if progress_thread is None:
             progress_thread = self.mem_type == "VRAM"
         conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-        self._nixl = nixl_agent(name, conf)
+        self.ucx_env = ucx_bind_env(bind_host)  # what was set for UCX while creating the agent
+        with _environment(self.ucx_env):
+            self._nixl = nixl_agent(name, conf)
+        if self.ucx_env:
+            log.info("NIXL agent %s: UCX bound to %s (%s)", name, bind_host, self.ucx_env)
         if "UCX" not in self._nixl.backends:
             raise RuntimeError("NIXL has no UCX plugin here; kvtransfer needs it")
         self._registered = self._nixl.register_memory(list(pools.values()))
