@@ -5,24 +5,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from decode_svc.service import DecodeConfig, DecodeService
+from decode_svc.service import DecodeService
 from pdserve.rpc import RpcServer
-from pdserve.serving import add_service_arguments, run_service, service_config_fields, start_logging
+from pdserve.service_process import run_service
+from pdserve.serving import (
+    EngineHost,
+    ServiceConfig,
+    add_service_arguments,
+    service_config_from_args,
+    start_logging,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser, "decode")
-    parser.add_argument("--transfer-timeout", type=float, default=10.0, help="fail a state READ after (s)")
 
 
-async def serve(config: DecodeConfig) -> None:
-    service = DecodeService(config)
+def decode_server(service: DecodeService) -> RpcServer:
     server = RpcServer("pdserve.Decode")
     server.stream("decode", service.decode)
-    await run_service("decode", config, service, server)
+    return server
+
+
+async def serve(config: ServiceConfig) -> None:
+    host = EngineHost(config)
+    await run_service(config, host, {"decode": decode_server(DecodeService(host))})
 
 
 def run(args: argparse.Namespace) -> int:
     start_logging()
-    asyncio.run(serve(DecodeConfig(**service_config_fields(args), transfer_timeout_s=args.transfer_timeout)))
+    asyncio.run(serve(service_config_from_args(args)))
     return 0

@@ -1,16 +1,21 @@
-"""The decode service: pulls each handed-over request's KV pages and GDN state from its prefill
-instance (NIXL READ), then decodes it with every other running request and streams its tokens.
+"""The decode role: pulls each handed-over request's KV pages and GDN state from its prefill
+instance (NIXL READ), checks the lease, then decodes it with every other running request and
+streams its tokens.
 
 Request lifecycle:
-  1. `decode` RPC (server streaming): validated, the prefill instance added as a transfer peer
-     (handshake checks protocol version + compatibility hash) on first contact;
-  2. transfer queue: waits for free KV pages + a state slot (admission control), then
-     READs the prefill instance's pages/slot into its own;
-  3. READ done (the prefill side is notified and frees its copy) -> running: the first token,
-     sampled by prefill, is fed first; the state already holds every prompt token;
-  4. each decode step streams {token_ids, text_delta, logprobs, finished, finish_reason};
-     finished or the stream cancelled -> pages and slot freed.
-A failed or timed-out READ ends the stream with an error and frees what was allocated.
+  1. `decode` RPC (server streaming): validated (`DecodeStart`); the lease's agent is found in
+     the registry (never an address a caller gives) and handshaken on first contact (protocol
+     version + compatibility hash); a lease held by this very engine is decoded in place;
+  2. transfer queue, first come first served: memory reserved through the scheduler (cache
+     eviction first, headroom for the running batch): RECEIVING;
+  3. READ of the prefill instance's pages/slot into the reserved ones; then `release` on the
+     prefill instance with the lease: only if it answers that the lease was still held is the
+     state used (anything else: the memory may have been reused; the request fails, never
+     decodes from state that is not its own);
+  4. running: the first token, sampled by prefill, is fed first; each decode step streams a
+     `DecodeEvent`; finished or the stream cancelled -> pages and slot freed.
+A failed READ drops the peer (the next request handshakes again: a restarted prefill instance is
+a new agent name) and ends the stream with an error.
 """
 
 from __future__ import annotations
@@ -18,70 +23,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvtransfer import RequestPayload, TransferHandle, TransferState
+from decode_svc.peers import PeerDirectory
+from kvtransfer import TransferHandle, TransferState
 from kvtransfer.payload import pool_units
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.rpc import RpcClient
+from pdserve.messages import DecodeEvent, DecodeStart, LeaseRelease
+from pdserve.rpc import RpcError
 from pdserve.sampling.params import SamplingParams
-from pdserve.serving import EngineService, ServiceConfig
+from pdserve.serving import EngineHost, ServiceRole
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class DecodeConfig(ServiceConfig):
-    """The one config object of a decode process."""
+class Incoming:
+    """A request in the transfer queue: waiting for memory, then its READ, then its lease check."""
 
-    transfer_timeout_s: float = 10.0
-    # give up on a request that found no memory for this long; must stay below the prefill
-    # side's handoff timeout, after which its copy of the state is gone
-    admission_timeout_s: float = 30.0
-
-
-@dataclass(slots=True)
-class Pending:
-    """A request in the transfer queue: waiting for memory, then for its READ."""
-
+    start: DecodeStart
     seq: Sequence
-    payload: RequestPayload
     peer: str
-    first_token: int
-    first_logprobs: list | None
     handle: TransferHandle | None = None
-    pages: list[int] | None = None
-    slot: int | None = None
+    confirming: bool = False
     arrived: float = field(default_factory=time.monotonic)
 
 
-class DecodeService(EngineService):
-    def __init__(self, config: DecodeConfig) -> None:
-        self.pending: dict[str, Pending] = {}
+class DecodeService(ServiceRole):
+    def __init__(self, host: EngineHost) -> None:
+        super().__init__(host)
+        self.incoming: dict[str, Incoming] = {}  # engine thread; insertion order = arrival order
         self.streams: dict[str, asyncio.Queue] = {}
-        self._peers: dict[str, str] = {}  # prefill agent name -> peer name
-        self._peer_lock = asyncio.Lock()
-        super().__init__(config, config.transfer_timeout_s)
+        self.peers = PeerDirectory(host)
 
     def load(self) -> dict:
-        report = super().load()
-        report["waiting"] += len(self.pending)
-        return report
+        return {"incoming": len(self.incoming)}
 
     # ---- RPC handler
-    async def decode(self, msg: dict):
-        rid = msg["request_id"]
-        payload = RequestPayload(**msg["payload"])
-        payload.check_pages(self.config.engine.page_size)
-        peer = await self._peer(payload.prefill_agent, msg["prefill_address"])
+    async def decode(self, msg: dict) -> AsyncIterator[dict]:
+        start = DecodeStart.from_wire(msg)
+        rid = start.request_id
+        start.lease.check_pages(self.config.engine.page_size)
         if rid in self.streams:  # a second stream must not take over (or cancel) the first
             raise ValueError(f"request id {rid!r} is already streaming here")
+        local = start.lease.agent == self.agent.name
+        peer = None if local else await self.peers.connect(start.lease.agent)
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         finished = False
         try:
-            await self.thread.call(self._admit, msg, payload, peer)
+            await self.thread.call(self._admit, start, peer)
             while not finished:
                 event = await queue.get()
                 if "error" in event:
@@ -91,107 +84,112 @@ class DecodeService(EngineService):
         finally:
             self.streams.pop(rid, None)
             if not finished:
-                await self.thread.call(self._cancel, rid)
-
-    async def _peer(self, agent_name: str, address: str) -> str:
-        async with self._peer_lock:
-            if agent_name not in self._peers:
-                client = RpcClient(address, "pdserve.Prefill")
-                try:
-                    endpoint = await client.unary("endpoint", {}, timeout=10.0)
-                finally:
-                    await client.close()
-                self._peers[agent_name] = await self.thread.call(self.agent.add_peer, endpoint)
-            return self._peers[agent_name]
+                self.thread.post(self._cancel, rid)
 
     # ---- on the engine thread
-    def _admit(self, msg: dict, payload: RequestPayload, peer: str) -> None:
-        params = SamplingParams(**msg["params"])
-        seq = self.engine.make_sequence(msg["prompt_token_ids"], params, msg["request_id"])
-        if payload.num_tokens != seq.num_prompt_tokens:
+    def _admit(self, start: DecodeStart, peer: str | None) -> None:
+        rid = start.request_id
+        if peer is None:  # held by this engine: decode it in place, nothing moves
+            if not self.engine.resume_held(rid, start.lease.lease_id):
+                raise LookupError(f"the lease of {rid} is no longer held here")
+            self._post(rid, DecodeEvent(transfer={"bytes": 0, "seconds": 0.0}).to_wire())
+            return
+        seq = self.engine.make_sequence(start.prompt_token_ids, SamplingParams(**start.params), rid)
+        if start.lease.num_tokens != seq.num_prompt_tokens:
             raise ValueError(
-                f"payload holds {payload.num_tokens} tokens, the prompt has {seq.num_prompt_tokens}"
+                f"the lease holds {start.lease.num_tokens} tokens, the prompt has {seq.num_prompt_tokens}"
             )
-        self.pending[seq.request_id] = Pending(
-            seq, payload, peer, msg["first_token"], msg.get("first_logprobs")
-        )
+        self.incoming[rid] = Incoming(start, seq, peer)
 
-    def _tick(self) -> bool:
-        kv, states = self.engine.runner.kv_pool, self.engine.runner.state_pool
-        for rid, p in list(self.pending.items()):
-            if p.handle is None:
-                need = len(p.payload.kv_pages)
-                if need > kv.num_free or states.num_free == 0:  # admission control: wait for memory
-                    if time.monotonic() - p.arrived > self.config.admission_timeout_s:
-                        del self.pending[rid]
-                        self._post(
-                            rid, {"error": f"no memory for {rid} on {self.config.instance_id} in time"}
-                        )
+    def tick(self) -> bool:
+        for rid, inc in list(self.incoming.items()):
+            if inc.handle is None:
+                if not self._pull(rid, inc):
+                    break  # first come, first served: later requests wait behind one that does not fit
+                if inc.handle is None:  # it failed
                     continue
-                p.pages, p.slot = kv.allocate(need), states.allocate()
-                try:
-                    p.handle = self.agent.pull(
-                        p.peer, rid, p.payload.remote_units(), pool_units(p.pages, p.slot)
-                    )
-                except Exception as e:  # a bad payload or a peer gone: this request only
-                    del self.pending[rid]
-                    self._free(p)
-                    self._post(rid, {"error": f"cannot pull the state of {rid}: {e}"})
-                    continue
-            state = self.agent.poll(p.handle)
+            if inc.confirming:
+                continue
+            state = self.agent.poll(inc.handle)
             if state is TransferState.TRANSFERRING:
                 continue
-            del self.pending[rid]
-            self.agent.release(p.handle)
+            self.agent.release(inc.handle)
             if state is TransferState.FAILED:
-                self._free(p)
-                self._post(
-                    rid, {"error": f"state transfer from {p.payload.prefill_agent} failed: {p.handle.error}"}
-                )
+                self.peers.forget(inc.peer)
+                self._fail(rid, f"state transfer from {inc.start.lease.agent} failed: {inc.handle.error}")
                 continue
-            if p.first_logprobs:
-                p.seq.logprobs.extend(p.first_logprobs)
-            self.engine.admit_prefilled(p.seq, p.first_token, p.pages, p.slot)
-            self._post(rid, self._transfer_event(p))
-        return bool(self.pending)
+            inc.confirming = True
+            asyncio.run_coroutine_threadsafe(self._confirm(rid, inc), self._loop)
+        return bool(self.incoming)
 
-    def _transfer_event(self, p: Pending) -> dict:
-        return {
-            "token_ids": [],
-            "text_delta": "",
-            "logprobs": None,
-            "finished": False,
-            "finish_reason": None,
-            "transfer": {"bytes": p.handle.nbytes, "seconds": p.handle.seconds},
-        }
+    def _pull(self, rid: str, inc: Incoming) -> bool:
+        """Reserve memory and start the READ; False if the memory is not there yet."""
+        lease = inc.start.lease
+        if not self.engine.reserve_transfer(inc.seq, len(lease.kv_pages)):
+            if time.monotonic() - inc.arrived > self.config.admission_timeout_s:
+                self._fail(rid, f"no memory for {rid} on {self.config.instance_id} in time")
+                return True
+            return False
+        try:
+            local_units = pool_units(inc.seq.block_table, inc.seq.state_slot)
+            inc.handle = self.agent.pull(
+                inc.peer, rid, pool_units(lease.kv_pages, lease.state_slot), local_units
+            )
+        except Exception as e:  # a bad lease or a peer gone: this request only
+            self.peers.forget(inc.peer)
+            self._fail(rid, f"cannot pull the state of {rid}: {e}")
+        return True
 
-    def _free(self, p: Pending) -> None:
-        if p.pages is not None:
-            self.engine.runner.kv_pool.free(p.pages)
-        if p.slot is not None:
-            self.engine.runner.state_pool.free(p.slot)
+    async def _confirm(self, rid: str, inc: Incoming) -> None:
+        """After the READ: release the lease on the prefill instance; use the state only if the
+        lease was still held (the memory read was the request's own)."""
+        lease = inc.start.lease
+        try:
+            answer = await self.peers.client(lease.agent).unary(
+                "release", LeaseRelease(rid, lease.lease_id, pulled=True).to_wire(), timeout=5.0
+            )
+            intact, why = answer.get("intact") is True, "its lease had expired or was released"
+        except (RpcError, LookupError) as e:
+            intact, why = False, f"its holder could not confirm the lease: {e}"
+        self.thread.post(self._start, rid, inc, intact, why)
+
+    def _start(self, rid: str, inc: Incoming, intact: bool, why: str) -> None:
+        if self.incoming.get(rid) is not inc:  # cancelled meanwhile
+            return
+        if not intact:
+            self._fail(rid, f"the state of {rid} was not used: {why}")
+            return
+        del self.incoming[rid]
+        self.engine.start_received(inc.seq, inc.start.first_token, inc.start.first_logprobs)
+        transfer = {"bytes": inc.handle.nbytes, "seconds": inc.handle.seconds}
+        self._post(rid, DecodeEvent(transfer=transfer).to_wire())
+
+    def _fail(self, rid: str, message: str) -> None:
+        self.incoming.pop(rid, None)
+        self.engine.abort(rid)
+        self._post(rid, {"error": message})
 
     def _cancel(self, rid: str) -> None:
-        p = self.pending.pop(rid, None)
-        if p is not None:
-            if p.handle is not None:
-                self.agent.release(p.handle)
-            self._free(p)
+        inc = self.incoming.pop(rid, None)
+        if inc is not None and inc.handle is not None and not inc.confirming:
+            self.agent.release(inc.handle)
         self.engine.abort(rid)
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            event = {
-                "token_ids": out.new_token_ids,
-                "text_delta": out.text_delta,
-                "logprobs": out.logprobs[-1:] if out.logprobs else None,
-                "finished": out.finished,
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-            }
-            self._post(out.request_id, event)
+            if out.request_id not in self.streams or out.lease_id is not None:
+                continue  # not ours (yet): a first token of the prefill role of this engine
+            event = DecodeEvent(
+                token_ids=out.new_token_ids,
+                text_delta=out.text_delta,
+                logprobs=out.logprobs[-1:] if out.logprobs else None,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            self._post(out.request_id, event.to_wire())
 
-    def _on_error(self, request_ids: list[str], message: str) -> None:
+    def on_error(self, request_ids: list[str], message: str) -> None:
         for rid in request_ids:
             self._post(rid, {"error": message})
 

@@ -38,8 +38,8 @@ def prefill_states(engine: LLMEngine, prompts: list[list[int]], token_budget: in
     engine.scheduler.max_num_batched_tokens = token_budget
     seqs = []
     for p in prompts:
-        seq = engine.make_sequence(p, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        seq.hold_memory = True
+        seq = engine.make_sequence(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        seq.handoff = True  # held after its first token, memory kept
         engine.enqueue(seq)
         seqs.append(seq)
     logits, passes = {}, 0
@@ -69,7 +69,7 @@ def prefill_states(engine: LLMEngine, prompts: list[list[int]], token_budget: in
                 passes=passes,
             )
         )
-        engine.scheduler.release_held(seq)
+        engine.abort(seq.request_id)
     return results
 
 

@@ -30,6 +30,7 @@ COMMANDS: dict[str, Command] = {
     "router": Command("router.server", "the OpenAI-compatible HTTP router"),
     "prefill": Command("prefill_svc.server", "a gRPC prefill service instance"),
     "decode": Command("decode_svc.server", "a gRPC decode service instance"),
+    "engine": Command("decode_svc.colocated", "one engine instance holding both roles (one GPU)"),
     "bench-serve": Command(
         "pdserve.bench_serve", "load a running server with streaming clients (AIPerf-style)"
     ),

@@ -1,8 +1,9 @@
-"""Running a prefill or decode service process: its gRPC server, its heartbeat in Redis, and a
-clean stop on SIGINT/SIGTERM.
+"""What a prefill or decode service process is built on: `ServiceConfig` (the one config of a
+service process), `EngineHost` (an engine, its pools registered with a NIXL agent, the engine
+thread) and `ServiceRole` (the prefill or decode half that a host serves; one host can serve
+both: one engine holding both roles on one GPU).
 
-Lifecycle: load the model (the service object) -> listen -> register + heartbeat (TTL) ->
-serve until a signal -> deregister (routers stop sending work) -> drain calls -> stop.
+The engine thread's callbacks go to every role; each takes the requests it knows.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
+import secrets
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtransfer import POOL_UNIT_DIMS, TransferAgent, model_identity
@@ -21,23 +21,31 @@ from pdserve.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.registry import InstanceInfo, InstanceRegistry
-from pdserve.rpc import RpcServer, join_host_port
+from pdserve.registry import InstanceRegistry
 
 log = logging.getLogger("pdserve.serving")
+LOAD_REFRESH_S = 0.1  # how often the engine thread refreshes the published load
 
 
 @dataclass(slots=True)
 class ServiceConfig:
-    """What every service process has; `PrefillConfig` and `DecodeConfig` add their own knobs."""
+    """The one config object of a service process (prefill, decode, or both in one engine)."""
 
     engine: EngineConfig
     instance_id: str = "instance-0"
     host: str = "127.0.0.1"
-    port: int = 0
+    port: int = 0  # the prefill server's port; a decode server (of a two-role engine) takes port + 1
     advertise_host: str | None = None
     redis_url: str | None = None
     heartbeat_s: float = 1.0
+    # prefill: a held request's memory is freed after this long if nobody pulled it
+    handoff_timeout_s: float = 60.0
+    # prefill: requests queued (not yet prefilling) beyond which a new one is refused (retry later)
+    max_queued_requests: int = 1024
+    # decode: fail a state READ after this long
+    transfer_timeout_s: float = 10.0
+    # decode: give up on a request that found no memory for this long (below handoff_timeout_s)
+    admission_timeout_s: float = 30.0
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -45,21 +53,38 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--instance-id", default=f"{role}-{socket.gethostname()}")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--advertise-host", default=None, help="host other processes dial (default: --host)")
+    if role in ("prefill", "engine"):
+        parser.add_argument(
+            "--handoff-timeout", type=float, default=60.0, help="free unpulled state after (s)"
+        )
+        parser.add_argument(
+            "--max-queued-requests", type=int, default=1024, help="refuse new requests beyond this queue"
+        )
+    if role in ("decode", "engine"):
+        parser.add_argument(
+            "--transfer-timeout", type=float, default=10.0, help="fail a state READ after (s)"
+        )
 
 
-def service_config_fields(args: argparse.Namespace) -> dict:
-    """The `ServiceConfig` fields of the flags of `add_service_arguments`."""
-    return {
-        "engine": engine_config_from_args(args),
-        "instance_id": args.instance_id,
-        "host": args.host,
-        "port": args.port,
-        "advertise_host": args.advertise_host,
-        "redis_url": args.redis_url,
+def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    """The `ServiceConfig` of the flags of `add_service_arguments`."""
+    optional = {
+        "handoff_timeout_s": getattr(args, "handoff_timeout", None),
+        "max_queued_requests": getattr(args, "max_queued_requests", None),
+        "transfer_timeout_s": getattr(args, "transfer_timeout", None),
     }
+    return ServiceConfig(
+        engine=engine_config_from_args(args),
+        instance_id=args.instance_id,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        redis_url=args.redis_url,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
 
 
-def engine_transfer_agent(engine: LLMEngine, name: str, timeout_s: float = 30.0) -> TransferAgent:
+def engine_transfer_agent(engine: LLMEngine, name: str, timeout_s: float) -> TransferAgent:
     """A NIXL agent with the engine's KV pool and GDN state pools registered."""
     runner = engine.runner
     pools = {
@@ -71,18 +96,19 @@ def engine_transfer_agent(engine: LLMEngine, name: str, timeout_s: float = 30.0)
     return TransferAgent(name, pools, POOL_UNIT_DIMS, model, engine.config.page_size, timeout_s=timeout_s)
 
 
-def load_report(engine: LLMEngine, **extra: int) -> dict:
-    """An instance's load as the registry publishes it."""
+def load_report(engine: LLMEngine) -> dict:
+    """An instance's load as the registry publishes it (read on the engine thread)."""
     s, runner = engine.scheduler, engine.runner
     return {
         "running": len(s.running),
         "waiting": len(s.waiting),
+        "held": len(s.held),
+        "receiving": len(s.receiving),
         "free_kv_pages": runner.kv_pool.num_free,
         "free_state_slots": runner.state_pool.num_free,
         "kv_pages": runner.kv_pool.num_pages - runner.reserved,
         "state_slots": runner.state_pool.num_slots - runner.reserved,
         "prefix_cache_pages": engine.prefix_cache.num_pages if engine.prefix_cache else 0,
-        **extra,
     }
 
 
@@ -90,19 +116,58 @@ def start_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-class EngineService:
-    """What a prefill or decode service is built on: an engine, its pools registered with a NIXL
-    agent, and the engine thread; subclasses supply the thread's three callbacks and their RPCs."""
+class ServiceRole:
+    """The prefill or the decode half of a service, on a host; gets the engine thread's callbacks."""
 
-    def __init__(self, config: ServiceConfig, transfer_timeout_s: float = 30.0) -> None:
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self.config = host.config
+        self.engine = host.engine
+        self.agent = host.agent
+        self.thread = host.thread
+        host.roles.append(self)
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self.host.loop
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Take the outputs of the requests this role serves (on the engine thread)."""
+
+    def on_error(self, request_ids: list[str], message: str) -> None:
+        """The engine failed these requests (on the engine thread)."""
+
+    def tick(self) -> bool:
+        """The role's polling on the engine thread; True while it wants to be called again soon."""
+        return False
+
+    def load(self) -> dict:
+        """Counters this role adds to the instance's published load."""
+        return {}
+
+
+class EngineHost:
+    """An engine, its pools registered with a NIXL agent, and the engine thread. The agent's
+    name is the instance id plus an incarnation, so a restarted instance is a new peer."""
+
+    def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.engine = LLMEngine(config.engine)
-        self.agent = engine_transfer_agent(self.engine, config.instance_id, transfer_timeout_s)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine.scheduler.lease_ttl_s = config.handoff_timeout_s
+        self.incarnation = secrets.token_hex(4)
+        agent_name = f"{config.instance_id}#{self.incarnation}"
+        self.agent = engine_transfer_agent(self.engine, agent_name, config.transfer_timeout_s)
+        self.registry = InstanceRegistry(config.redis_url) if config.redis_url else None
+        self.roles: list[ServiceRole] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._load: dict = load_report(self.engine)
+        self._load_at = 0.0
+        self._prefix_keys: list[str] = []  # snapshot of the cache's keys, replaced on the engine thread
+        self._prefix_version = -1
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self.thread.start()
 
     def stop(self) -> None:
@@ -110,109 +175,42 @@ class EngineService:
         self.agent.close()
 
     def load(self) -> dict:
-        """The instance's load as the registry publishes it (heartbeat)."""
-        return load_report(self.engine)
+        """The load as of the engine thread's last turn (never read across threads mid-change)."""
+        return self._load
 
     def extra(self) -> dict:
-        """Published with the instance (e.g. prefix-cache settings)."""
-        return {}
+        """Published with the instance: its transfer agent and prefix-cache keying."""
+        info = {"agent": self.agent.name}
+        cache = self.engine.prefix_cache
+        if cache is not None:
+            info |= {"prefix_block_size": cache.block_size, "prefix_salt": cache.salt}
+        return info
 
     def prefix_keys(self) -> list[str]:
         """Cached prefix blocks this instance holds (hex), published in Redis."""
-        return []
+        return self._prefix_keys
 
     # ---- the engine thread's callbacks
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        raise NotImplementedError
+        for role in self.roles:
+            role.on_outputs(outputs)
 
     def _on_error(self, request_ids: list[str], message: str) -> None:
-        raise NotImplementedError
+        for role in self.roles:
+            role.on_error(request_ids, message)
 
     def _tick(self) -> bool:
-        return False
-
-
-def prefix_cache_info(engine: LLMEngine) -> dict:
-    """What a router needs to key prompts the way this instance's prefix cache does."""
-    cache = engine.prefix_cache
-    if cache is None:
-        return {}
-    return {"prefix_block_size": cache.block_size, "prefix_salt": cache.salt}
-
-
-async def publish_prefix_keys(
-    registry: InstanceRegistry, service: EngineService, instance_id: str, interval_s: float
-) -> None:
-    """Keep `{ns}:prefix:{hash}` -> this instance for every block its cache holds, with a TTL of
-    a few intervals, so an evicted block (or a dead instance) drops out by itself."""
-    while True:
-        for key in service.prefix_keys():
-            await registry.set_prefix_owner(key, instance_id, ttl_s=3 * interval_s)
-        await asyncio.sleep(interval_s)
-
-
-def advertised_host(host: str, advertise_host: str | None) -> str:
-    """The host other processes dial: explicit, else the bind host, else (0.0.0.0) our hostname."""
-    if advertise_host:
-        return advertise_host
-    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-
-
-async def run_service(
-    role: str,
-    config: ServiceConfig,
-    service: EngineService,
-    server: RpcServer,
-    on_ready: Callable[[str], None] | None = None,
-) -> None:
-    """Serve until SIGINT/SIGTERM (or cancellation); `on_ready(address)` once registered."""
-    instance_id, heartbeat_s = config.instance_id, config.heartbeat_s
-    service.start()
-    bound = await server.start(config.host, config.port)
-    address = join_host_port(advertised_host(config.host, config.advertise_host), bound)
-    registry = InstanceRegistry(config.redis_url) if config.redis_url else None
-    started = time.time()
-
-    def info() -> InstanceInfo:
-        return InstanceInfo(
-            role=role,
-            instance_id=instance_id,
-            address=address,
-            load=service.load(),
-            started_at=started,
-            extra=service.extra(),
-        )
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
-    heartbeat = prefixes = None
-    try:
-        if registry is not None:
-            await registry.register(info(), ttl_s=3 * heartbeat_s)
-            prefixes = asyncio.create_task(publish_prefix_keys(registry, service, instance_id, heartbeat_s))
-            heartbeat = asyncio.create_task(
-                registry.heartbeat_forever(info, interval_s=heartbeat_s, ttl_s=3 * heartbeat_s)
-            )
-        log.info("%s %s serving on %s", role, instance_id, address)
-        if on_ready is not None:
-            on_ready(address)
-        await stop.wait()
-    finally:
-        for task in (heartbeat, prefixes):
-            if task is not None:
-                task.cancel()
-        if registry is not None:
-            try:
-                await registry.deregister(role, instance_id)
-            except Exception as e:  # Redis gone: our key expires by its TTL anyway
-                log.warning("could not deregister %s %s: %s", role, instance_id, e)
-            finally:
-                await registry.close()
-        await server.stop(grace=2.0)
-        service.stop()
-        log.info("%s %s stopped", role, instance_id)
+        busy = False
+        for role in self.roles:
+            busy = role.tick() or busy
+        cache = self.engine.prefix_cache
+        if cache is not None and cache.version != self._prefix_version:  # rebuilt only on a change
+            self._prefix_keys = [key.hex() for key in cache.entries]
+            self._prefix_version = cache.version
+        now = time.monotonic()
+        if now - self._load_at >= LOAD_REFRESH_S:
+            load = load_report(self.engine)
+            for role in self.roles:
+                load |= role.load()
+            self._load, self._load_at = load, now
+        return busy

@@ -6,25 +6,36 @@ import argparse
 import asyncio
 
 from pdserve.rpc import RpcServer
-from pdserve.serving import add_service_arguments, run_service, service_config_fields, start_logging
-from prefill_svc.service import PrefillConfig, PrefillService
+from pdserve.service_process import run_service
+from pdserve.serving import (
+    EngineHost,
+    ServiceConfig,
+    add_service_arguments,
+    service_config_from_args,
+    start_logging,
+)
+from prefill_svc.service import PrefillService
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_arguments(parser, "prefill")
-    parser.add_argument("--handoff-timeout", type=float, default=60.0, help="free unpulled state after (s)")
 
 
-async def serve(config: PrefillConfig) -> None:
-    service = PrefillService(config)
+def prefill_server(service: PrefillService) -> RpcServer:
     server = RpcServer("pdserve.Prefill")
-    server.unary("prefill", service.prefill)
+    server.stream("prefill", service.prefill)
     server.unary("endpoint", service.endpoint)
     server.unary("release", service.release)
-    await run_service("prefill", config, service, server)
+    server.unary("abort", service.abort)
+    return server
+
+
+async def serve(config: ServiceConfig) -> None:
+    host = EngineHost(config)
+    await run_service(config, host, {"prefill": prefill_server(PrefillService(host))})
 
 
 def run(args: argparse.Namespace) -> int:
     start_logging()
-    asyncio.run(serve(PrefillConfig(**service_config_fields(args), handoff_timeout_s=args.handoff_timeout)))
+    asyncio.run(serve(service_config_from_args(args)))
     return 0

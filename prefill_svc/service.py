@@ -1,14 +1,18 @@
-"""The prefill service: packs each burst of prompts into shared passes, samples each first
-token, and holds the request's KV pages + GDN state slot until a decode instance pulls them.
+"""The prefill role: packs each burst of prompts into shared passes, samples each first token,
+and holds the request's KV pages + GDN state slot under a lease until a decode instance pulls them.
 
 Request lifecycle (one prompt of a burst):
-  1. `prefill` RPC: validated and queued on the engine thread (a bad prompt fails alone,
-     the rest of the burst goes on);
+  1. `prefill` RPC (server streaming): the burst is validated (`PrefillBurst`); each request is
+     queued on the engine thread, or refused alone (a bad prompt, a full queue);
   2. packed prefill with the other prompts of the burst (chunked under the token budget);
-  3. first token sampled -> the request either ends here (eos, a stop, max_tokens=1) and its
-     memory is freed, or it is handed over: the RPC answers with its `RequestPayload`;
-  4. held until the decode instance's NIXL READ completes (its notification names the
-     request) or the router releases it; after `handoff_timeout_s` it is freed anyway.
+  3. first token sampled -> its `PrefillResult` is streamed at once, whatever the rest of the
+     burst is doing (a burst never waits on itself): either the request ended there (eos, a
+     stop, max_tokens=1) and its memory is freed, or it is HELD under a new `Lease`;
+  4. held until the decode instance, after its NIXL READ, calls `release` with the lease
+     (answer: was the lease still held, i.e. was the memory it read the request's own?), or the
+     router releases it, or the lease expires after `handoff_timeout_s`.
+A stream cancelled before all its results went out aborts the requests still queued or running:
+their memory is freed at once.
 """
 
 from __future__ import annotations
@@ -16,164 +20,161 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator
 
-from kvtransfer import RequestPayload
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.messages import Abort, GenerateItem, Lease, LeaseRelease, PrefillBurst, PrefillResult
 from pdserve.sampling.params import SamplingParams
-from pdserve.serving import EngineService, ServiceConfig, prefix_cache_info
+from pdserve.serving import EngineHost, ServiceRole
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class PrefillConfig(ServiceConfig):
-    """The one config object of a prefill process."""
-
-    handoff_timeout_s: float = 60.0
-
-
-@dataclass(slots=True)
-class HeldRequest:
-    seq: Sequence
-    deadline: float
-
-
-class PrefillService(EngineService):
-    def __init__(self, config: PrefillConfig) -> None:
-        self.held: dict[str, HeldRequest] = {}
-        self._futures: dict[str, asyncio.Future] = {}
-        self._seqs: dict[str, Sequence] = {}
-        self._prefix_keys: list[str] = []  # snapshot of the cache's keys, replaced by the engine thread
-        self._prefix_version = -1
-        super().__init__(config)
+class PrefillService(ServiceRole):
+    def __init__(self, host: EngineHost) -> None:
+        super().__init__(host)
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its burst's result queue
+        self._seqs: dict[str, Sequence] = {}  # engine thread: queued or prefilling here
 
     # ---- RPC handlers
-    async def prefill(self, msg: dict) -> dict:
-        """{"requests": [{request_id, prompt_token_ids, params}]} -> {"results": [...]}, in order."""
-        requests = msg.get("requests")
-        if not isinstance(requests, list) or not requests or not all(isinstance(r, dict) for r in requests):
-            raise ValueError("prefill wants a non-empty list of requests")
-        ids = [r.get("request_id") for r in requests]
-        if not all(isinstance(i, str) and i for i in ids) or len(set(ids)) != len(ids):
-            raise ValueError("request ids must be unique non-empty strings")
-        futures = {rid: self._loop.create_future() for rid in ids}
-        self._futures.update(futures)
+    async def prefill(self, msg: dict) -> AsyncIterator[dict]:
+        """A `PrefillBurst` in; a `PrefillResult` per request out, in the order they finish."""
+        burst = PrefillBurst.from_wire(msg)
+        queue: asyncio.Queue[PrefillResult] = asyncio.Queue()
+        mine = [r.request_id for r in burst.requests if r.request_id not in self._streams]
+        for rid in mine:
+            self._streams[rid] = queue
+        pending = set(mine)
         try:
-            errors = await self.thread.call(self._admit, requests)
-        except BaseException:
-            for rid in ids:
-                self._futures.pop(rid, None)
-            raise
-        results = []
-        for r in requests:
-            rid = r["request_id"]
-            if rid in errors:
-                self._futures.pop(rid, None)
-                results.append({"request_id": rid, "error": errors[rid]})
-            else:
-                results.append(await futures[rid])
-        return {"results": results}
+            refused = await self.thread.call(
+                self._admit, [r for r in burst.requests if r.request_id in pending]
+            )
+            for r in burst.requests:
+                if r.request_id not in pending:
+                    refused.append(_refusal(r.request_id, f"request id {r.request_id!r} is already in use"))
+            for result in refused:
+                pending.discard(result.request_id)
+                yield result.to_wire()
+            while pending:
+                result = await queue.get()
+                pending.discard(result.request_id)
+                yield result.to_wire()
+        finally:
+            for rid in mine:
+                self._streams.pop(rid, None)
+            if pending:  # the router went away (client gone, router died): stop their work
+                self.thread.post(self._abort, sorted(pending), False)
 
     async def endpoint(self, msg: dict) -> dict:
         return dict(self.agent.endpoint())
 
     async def release(self, msg: dict) -> dict:
-        """The router gave up on a handed-over request (decode failed or the client left)."""
-        return {"released": await self.thread.call(self._release, msg["request_id"])}
+        """`LeaseRelease`: free a held request's memory; `intact` says whether its lease was still
+        held (False: it expired or was released first, so a READ of it must not be used)."""
+        req = LeaseRelease.from_wire(msg)
+        intact = await self.thread.call(self.engine.scheduler.release_lease, req.request_id, req.lease_id)
+        return {"intact": intact}
 
-    def load(self) -> dict:
-        return {**super().load(), "held": len(self.held)}
-
-    def extra(self) -> dict:
-        return prefix_cache_info(self.engine)
-
-    def prefix_keys(self) -> list[str]:
-        return self._prefix_keys
+    async def abort(self, msg: dict) -> dict:
+        """`Abort`: stop requests queued, prefilling or held here; frees their memory at once."""
+        return {"aborted": await self.thread.call(self._abort, Abort.from_wire(msg).request_ids, True)}
 
     # ---- on the engine thread
-    def _admit(self, requests: list[dict]) -> dict[str, str]:
-        errors = {}
+    def _admit(self, requests: list[GenerateItem]) -> list[PrefillResult]:
+        refused = []
         for r in requests:
-            rid = r["request_id"]
-            if rid in self.held or rid in self._seqs:
-                errors[rid] = f"request id {rid!r} is already in use"
+            rid = r.request_id
+            if rid in self._seqs or rid in self.engine.scheduler.held:
+                refused.append(_refusal(rid, f"request id {rid!r} is already in use"))
+                continue
+            if len(self.engine.scheduler.waiting) >= self.config.max_queued_requests:
+                message = f"{self.config.instance_id} has {self.config.max_queued_requests} requests queued"
+                refused.append(PrefillResult(rid, error=message, error_code="queue_full"))
                 continue
             try:
-                params = SamplingParams(**r.get("params", {}))
-                seq = self.engine.make_sequence(r.get("prompt_token_ids"), params, rid)
+                params = SamplingParams(**r.params)
+                seq = self.engine.make_sequence(r.prompt_token_ids, params, rid)
             except (ValueError, TypeError) as e:
-                errors[rid] = str(e)
+                refused.append(_refusal(rid, str(e)))
                 continue
-            seq.prefill_only = True
+            seq.handoff = True
             self._seqs[rid] = seq
             self.engine.enqueue(seq)
-        return errors
+        return refused
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _abort(self, request_ids: list[str], tell_stream: bool) -> int:
+        aborted = 0
+        for rid in request_ids:
+            queued = self._seqs.pop(rid, None) is not None
+            if self.engine.abort(rid):
+                aborted += 1
+            if queued and tell_stream:
+                self._post([PrefillResult(rid, error=f"request {rid} was aborted", error_code="aborted")])
+        return aborted
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         results = []
         for out in outputs:
-            seq = self._seqs.pop(out.request_id)
-            result = {
-                "request_id": out.request_id,
-                "token_id": out.new_token_ids[0],
-                "text_delta": out.text_delta,
-                "logprobs": out.logprobs,
-                "finished": not out.handed_over,
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-                "num_prompt_tokens": seq.num_prompt_tokens,
-                "num_cached_tokens": out.num_cached_tokens,
-                "payload": None,
-            }
-            if out.handed_over:
-                payload = RequestPayload(
+            seq = self._seqs.pop(out.request_id, None)
+            if seq is None:  # not ours: decoding here (an engine holding both roles)
+                continue
+            lease = None
+            if out.lease_id is not None:
+                lease = Lease(
                     out.request_id,
+                    out.lease_id,
+                    self.agent.name,
                     list(seq.block_table),
                     seq.state_slot,
                     seq.num_prompt_tokens,
-                    self.agent.name,
                 )
-                result["payload"] = asdict(payload)
-                self.held[out.request_id] = HeldRequest(seq, time.monotonic() + self.config.handoff_timeout_s)
-            results.append(result)
+            results.append(
+                PrefillResult(
+                    request_id=out.request_id,
+                    token_id=out.new_token_ids[0],
+                    text_delta=out.text_delta,
+                    logprobs=out.logprobs,
+                    finished=out.finished,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_cached_tokens=out.num_cached_tokens,
+                    lease=lease,
+                )
+            )
+        if results:
+            self._post(results)
+
+    def on_error(self, request_ids: list[str], message: str) -> None:
+        failed = [rid for rid in request_ids if self._seqs.pop(rid, None) is not None]
+        self._post([PrefillResult(rid, error=message, error_code="failed") for rid in failed])
+
+    def _post(self, results: list[PrefillResult]) -> None:
         self._loop.call_soon_threadsafe(self._deliver, results)
 
-    def _on_error(self, request_ids: list[str], message: str) -> None:
-        results = [{"request_id": rid, "error": message} for rid in request_ids]
-        for rid in request_ids:
-            self._seqs.pop(rid, None)
-        self._loop.call_soon_threadsafe(self._deliver, results)
-
-    def _deliver(self, results: list[dict]) -> None:
+    def _deliver(self, results: list[PrefillResult]) -> None:
         for result in results:
-            future = self._futures.pop(result["request_id"], None)
-            if future is not None and not future.done():
-                future.set_result(result)
+            queue = self._streams.get(result.request_id)
+            if queue is not None:
+                queue.put_nowait(result)
+            elif result.lease is not None:  # nobody listens any more: do not pin its memory
+                self.thread.post(
+                    self.engine.scheduler.release_lease, result.request_id, result.lease.lease_id
+                )
 
-    def _release(self, request_id: str) -> bool:
-        held = self.held.pop(request_id, None)
-        if held is None:
-            return False
-        self.engine.scheduler.release_held(held.seq)
-        return True
-
-    def _tick(self) -> bool:
-        cache = self.engine.prefix_cache
-        if cache is not None and cache.version != self._prefix_version:  # rebuilt only on a change
-            self._prefix_keys = [key.hex() for key in cache.entries]
-            self._prefix_version = cache.version
-        for rid in self.agent.take_done_notifications():
-            self._release(rid)
-        now = time.monotonic()
-        for rid in [rid for rid, h in self.held.items() if h.deadline < now]:
+    def tick(self) -> bool:
+        for rid in self.engine.scheduler.expire_leases(time.monotonic()):
             logger.warning(
-                "request %s was never pulled; freeing its state after %.0f s",
+                "request %s was never pulled; freed its state after %.0f s",
                 rid,
                 self.config.handoff_timeout_s,
             )
-            self._release(rid)
-        # NIXL completes a decode instance's READ only as this side progresses: poll often
-        # while any request is held for a transfer
-        return bool(self.held)
+        # NIXL completes a decode instance's READ only as this side's worker progresses (no
+        # progress thread on CPU): pump it often while anything is held for a transfer
+        self.agent.take_done_notifications()
+        return bool(self.engine.scheduler.held)
+
+
+def _refusal(request_id: str, message: str) -> PrefillResult:
+    return PrefillResult(request_id, error=message, error_code="invalid")

@@ -2,42 +2,67 @@
 
 Request lifecycle:
   1. burst: requests arriving within `burst_window_s` of each other (up to a token budget)
-     go to one prefill instance as one `prefill` RPC, which packs them into shared passes; a
-     request whose prompt prefix a prefill instance has cached (Redis prefix keys) joins that
+     go to one prefill instance as one `prefill` stream, which packs them into shared passes;
+     a request whose prompt prefix a prefill instance has cached (Redis prefix keys) joins that
      instance's burst, unless it is much busier than the least loaded one;
-  2. the prefill answer carries each first token (the TTFT) and, unless the request ended
-     there, a `RequestPayload` naming its KV pages and GDN state slot;
-  3. a decode instance (least loaded) gets a `decode` stream: it READs the state through
-     NIXL, then streams tokens; the router forwards them as they come;
-  4. a failed instance is set aside and the request gets a clear error; a request whose
-     decode never pulled its state has its prefill copy released.
+  2. each request's `PrefillResult` arrives as soon as it is prefilled (the TTFT) with, unless it
+     ended there, a `Lease` on its KV pages and GDN state slot; a refusal for a full queue is a
+     503 with Retry-After; a prefill instance that fails before a request's first token has
+     that request sent once more, to another instance;
+  3. a decode instance (least loaded) gets a `decode` stream: it READs the state through NIXL,
+     checks the lease with its holder, then streams tokens; the router forwards them;
+  4. a client that leaves aborts its request where it is: taken out of a burst not yet sent,
+     aborted on the prefill instance (queued or prefilling), or its lease released.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import asdict, dataclass, field
 
-from pdserve.engine.prefix_cache import prefix_block_keys
+import msgpack
+
+from pdserve.messages import (
+    Abort,
+    DecodeEvent,
+    DecodeStart,
+    GenerateItem,
+    LeaseRelease,
+    PrefillBurst,
+    PrefillResult,
+)
+from pdserve.prefix_keys import prefix_block_keys
+from pdserve.registry import InstanceInfo
 from pdserve.rpc import RpcError
 from router.backend import GenerateRequest, TokenEvent
+from router.disagg_metrics import DisaggMetrics
 from router.errors import BackendError
 from router.instances import InstanceSet, NoInstanceError
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-BYTES_BUCKETS = tuple(2**k for k in range(10, 34, 2))
-SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# a prefill instance failing with these is set aside; other codes are the request's own fault
+INSTANCE_FAILURES = {"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED", "UNAUTHENTICATED"}
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request waiting for its first token: its wire form and the future of its result."""
+
+    req: GenerateRequest
+    item: GenerateItem
+    future: asyncio.Future
+    sent_to: InstanceInfo | None = None  # the prefill instance its burst went to
+    tries: int = 0
 
 
 @dataclass(slots=True)
 class Burst:
     """Requests gathered for one prefill instance, sent together when full or when the timer fires."""
 
-    items: list[tuple[GenerateRequest, asyncio.Future]] = field(default_factory=list)
+    items: list[Pending] = field(default_factory=list)
     tokens: int = 0
     timer: asyncio.TimerHandle | None = None
 
@@ -61,22 +86,8 @@ class DisaggBackend:
         self.burst = burst or BurstConfig()
         self._max_model_len = max_model_len
         self._bursts: dict[str | None, Burst] = {}  # by preferred prefill instance (None: any)
-        self._batch_size = metrics.histogram(
-            "prefill_batch_size", "Requests per prefill burst", BATCH_BUCKETS
-        )
-        self._xfer_bytes = metrics.histogram("transfer_bytes", "State bytes moved per request", BYTES_BUCKETS)
-        self._xfer_seconds = metrics.histogram(
-            "transfer_seconds", "State transfer time per request", SECONDS_BUCKETS
-        )
-        self._cached_tokens = metrics.counter(
-            "prefix_cache_hit_tokens", "Prompt tokens served from a prefill instance's prefix cache"
-        )
-        self._prefix_routed = metrics.counter(
-            "prefix_routed_requests", "Requests sent to the prefill instance caching their prefix"
-        )
-        self._decoded = metrics.counter(
-            "decode_requests", "Requests sent to each decode instance", ["instance"]
-        )
+        self.metrics = DisaggMetrics(metrics)
+        self._background: set[asyncio.Task] = set()  # cleanup calls (release, abort) in flight
 
     def max_model_len(self) -> int:
         return self._max_model_len
@@ -87,40 +98,65 @@ class DisaggBackend:
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         first, prefill = await self._prefill(req)
-        self._cached_tokens.inc(first.get("num_cached_tokens", 0))
+        self.metrics.cached_tokens.inc(first.num_cached_tokens)
         yield TokenEvent(
-            [first["token_id"]],
-            first["text_delta"],
-            first["logprobs"],
-            first["finished"],
-            first["finish_reason"],
-            cached_tokens=first.get("num_cached_tokens", 0),
+            [first.token_id],
+            first.text_delta,
+            first.logprobs,
+            first.finished,
+            first.finish_reason,
+            cached_tokens=first.num_cached_tokens,
         )
-        if first["finished"]:
+        if first.finished:
             return
         pulled = False
         try:
-            async for event in self._decode(req, first, prefill):
+            async for event in self._decode(req, first):
                 pulled = True
                 if event is not None:
                     yield event
         finally:
-            if not pulled:
-                await self._release(prefill, req.request_id)
+            if not pulled:  # decode never took the state over: free it on the prefill instance
+                self._spawn(self._release(prefill, first))
 
     # ---- 1-2: bursts to a prefill instance (the one caching the prompt's prefix, if any)
-    async def _prefill(self, req: GenerateRequest) -> tuple[dict, object]:
+    async def _prefill(self, req: GenerateRequest) -> tuple[PrefillResult, InstanceInfo]:
+        item = GenerateItem(req.request_id, req.prompt_token_ids, asdict(req.params))
+        try:
+            msgpack.packb(item.to_wire())  # a field the wire cannot carry is this request's fault
+        except (TypeError, ValueError, OverflowError) as e:
+            raise BackendError(f"request cannot be encoded: {e}", 400) from e
+        pending = Pending(req, item, asyncio.get_running_loop().create_future())
         target = await self._prefix_owner(req)
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        self._join(pending, target)
+        try:
+            return await pending.future
+        except asyncio.CancelledError:  # the client left before its first token
+            self._abandon(pending, target)
+            raise
+
+    def _join(self, pending: Pending, target: str | None) -> None:
         burst = self._bursts.setdefault(target, Burst())
-        burst.items.append((req, future))
-        burst.tokens += len(req.prompt_token_ids)
+        burst.items.append(pending)
+        burst.tokens += len(pending.item.prompt_token_ids)
         if burst.tokens >= self.burst.max_tokens or len(burst.items) >= self.burst.max_requests:
             self._flush(target)
         elif burst.timer is None:
-            burst.timer = loop.call_later(self.burst.window_s, self._flush, target)
-        return await future
+            burst.timer = asyncio.get_running_loop().call_later(self.burst.window_s, self._flush, target)
+
+    def _abandon(self, pending: Pending, target: str | None) -> None:
+        burst = self._bursts.get(target)
+        if burst is not None and pending in burst.items:  # not sent yet: just leave the burst
+            burst.items.remove(pending)
+            burst.tokens -= len(pending.item.prompt_token_ids)
+            return
+        future = pending.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            result, instance = future.result()  # answered as the client left: free its lease
+            if result.lease is not None:
+                self._spawn(self._release(instance, result))
+        elif pending.sent_to is not None:
+            self._spawn(self._abort(pending.sent_to, pending.req.request_id))
 
     async def _prefix_owner(self, req: GenerateRequest) -> str | None:
         """The live prefill instance holding the longest cached prefix of the prompt."""
@@ -148,78 +184,76 @@ class DisaggBackend:
             return
         if burst.timer is not None:
             burst.timer.cancel()
-        asyncio.create_task(self._send_burst(burst.items, target))
+        if burst.items:
+            self._spawn(self._send_burst(burst.items, target))
 
     async def _send_burst(
-        self, batch: list[tuple[GenerateRequest, asyncio.Future]], target: str | None
+        self, batch: list[Pending], target: str | None, exclude: frozenset = frozenset()
     ) -> None:
         try:
-            instance = self.instances.pick("prefill", prefer=target)
+            instance = self.instances.pick("prefill", exclude=set(exclude), prefer=target)
         except NoInstanceError as e:
             return _fail(batch, BackendError(str(e), 503))
         if target is not None and instance.instance_id == target:
-            self._prefix_routed.inc(len(batch))
-        self._batch_size.observe(len(batch))
-        message = {
-            "requests": [
-                {
-                    "request_id": r.request_id,
-                    "prompt_token_ids": r.prompt_token_ids,
-                    "params": asdict(r.params),
-                }
-                for r, _ in batch
-            ]
-        }
+            self.metrics.prefix_routed.inc(len(batch))
+        self.metrics.batch_size.observe(len(batch))
+        waiting = {p.req.request_id: p for p in batch}
+        for p in batch:
+            p.sent_to, p.tries = instance, p.tries + 1
+        burst = PrefillBurst([p.item for p in batch]).to_wire()
         self.instances.in_flight[instance.instance_id] += len(batch)
+        error = BackendError(f"prefill instance {instance.instance_id} ended the stream early", 503)
         try:
-            answer = await self.instances.client(instance).unary("prefill", message, timeout=600.0)
+            async for wire in self.instances.client(instance).stream("prefill", burst, timeout=600.0):
+                result = PrefillResult.from_wire(wire)
+                pending = waiting.pop(result.request_id, None)
+                if pending is not None:
+                    self.instances.in_flight[instance.instance_id] -= 1
+                    _settle(pending, result, instance)
         except RpcError as e:
+            if e.code not in INSTANCE_FAILURES:  # the burst itself was refused: not the instance's fault
+                return _fail(
+                    list(waiting.values()), BackendError(f"prefill refused the request: {e.message}", 400)
+                )
             self.instances.set_aside(instance)
-            return _fail(batch, BackendError(f"prefill instance {instance.instance_id} failed: {e}", 503))
+            error = BackendError(f"prefill instance {instance.instance_id} failed: {e.message}", 503)
         finally:
-            self.instances.in_flight[instance.instance_id] -= len(batch)
-        for (_, future), result in zip(batch, answer["results"], strict=True):
-            if future.done():
-                continue
-            if "error" in result:
-                future.set_exception(BackendError(result["error"], 400))
-            else:
-                future.set_result((result, instance))
+            self.instances.in_flight[instance.instance_id] -= len(waiting)
+        retry = [p for p in waiting.values() if not p.future.done() and p.tries < 2]
+        _fail([p for p in waiting.values() if p not in retry], error)
+        if retry:  # no first token of theirs went out: once more, on another instance
+            log.warning("retrying %d requests of %s elsewhere: %s", len(retry), instance.instance_id, error)
+            await self._send_burst(retry, None, exclude | {instance.instance_id})
 
     # ---- 3: a decode stream
     async def _decode(
-        self, req: GenerateRequest, first: dict, prefill
+        self, req: GenerateRequest, first: PrefillResult
     ) -> AsyncGenerator[TokenEvent | None, None]:
         try:
             instance = self.instances.pick("decode")
         except NoInstanceError as e:
             raise BackendError(str(e), 503) from e
-        message = {
-            "request_id": req.request_id,
-            "prompt_token_ids": req.prompt_token_ids,
-            "params": asdict(req.params),
-            "first_token": first["token_id"],
-            "first_logprobs": first["logprobs"],
-            "payload": first["payload"],
-            "prefill_address": prefill.address,
-        }
+        message = DecodeStart(
+            req.request_id,
+            req.prompt_token_ids,
+            asdict(req.params),
+            first.token_id,
+            first.lease,
+            first.logprobs,
+        ).to_wire()
         self.instances.in_flight[instance.instance_id] += 1
-        self._decoded.labels(instance.instance_id).inc()
+        self.metrics.decoded.labels(instance.instance_id).inc()
         try:
-            async for event in self.instances.client(instance).stream("decode", message):
-                if "transfer" in event:
-                    self._xfer_bytes.observe(event["transfer"]["bytes"])
-                    self._xfer_seconds.observe(event["transfer"]["seconds"])
+            async for wire in self.instances.client(instance).stream("decode", message):
+                event = DecodeEvent.from_wire(wire)
+                if event.transfer is not None:
+                    self.metrics.transfer(event.transfer)
                     yield None
                     continue
                 yield TokenEvent(
-                    event["token_ids"],
-                    event["text_delta"],
-                    event["logprobs"],
-                    event["finished"],
-                    event["finish_reason"],
+                    event.token_ids, event.text_delta, event.logprobs, event.finished, event.finish_reason
                 )
-                if event["finished"]:
+                if event.finished:
                     return
         except RpcError as e:
             if e.code == "UNAVAILABLE":
@@ -229,14 +263,41 @@ class DisaggBackend:
             self.instances.in_flight[instance.instance_id] -= 1
         raise BackendError(f"decode instance {instance.instance_id} ended the stream early", 503)
 
-    async def _release(self, prefill, request_id: str) -> None:
+    # ---- 4: giving up on a request
+    async def _release(self, prefill: InstanceInfo, first: PrefillResult) -> None:
+        message = LeaseRelease(first.request_id, first.lease.lease_id).to_wire()
         try:
-            await self.instances.client(prefill).unary("release", {"request_id": request_id}, timeout=5.0)
+            await self.instances.client(prefill).unary("release", message, timeout=5.0)
         except RpcError as e:
-            log.warning("could not release %s on %s: %s", request_id, prefill.instance_id, e)
+            log.warning("could not release %s on %s: %s", first.request_id, prefill.instance_id, e)
+
+    async def _abort(self, prefill: InstanceInfo, request_id: str) -> None:
+        try:
+            await self.instances.client(prefill).unary("abort", Abort([request_id]).to_wire(), timeout=5.0)
+        except RpcError as e:
+            log.warning("could not abort %s on %s: %s", request_id, prefill.instance_id, e)
+
+    def _spawn(self, coro: Coroutine) -> None:
+        """Run cleanup in the background: it must not wait on (or die with) the request's task."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
-def _fail(batch: list[tuple[GenerateRequest, asyncio.Future]], error: BackendError) -> None:
-    for _, future in batch:
-        if not future.done():
-            future.set_exception(error)
+def _settle(pending: Pending, result: PrefillResult, instance: InstanceInfo) -> None:
+    if pending.future.done():  # the client left: its lease is released by _abandon or here
+        return
+    if result.error is None:
+        pending.future.set_result((result, instance))
+    elif result.error_code == "queue_full":
+        pending.future.set_exception(BackendError(result.error, 503))
+    elif result.error_code == "invalid":
+        pending.future.set_exception(BackendError(result.error, 400))
+    else:
+        pending.future.set_exception(BackendError(result.error, 503))
+
+
+def _fail(batch: list[Pending], error: BackendError) -> None:
+    for p in batch:
+        if not p.future.done():
+            p.future.set_exception(error)

@@ -75,10 +75,12 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
     finally:
         gone.cancel()
-        if not work.done():
-            work.cancel()
-    if work.cancelled():
+    if not work.done():  # the client left first
+        work.cancel()  # takes effect at the task's next step: do not read its state now
         raise ClientGone
     return work.result()

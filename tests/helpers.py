@@ -15,7 +15,8 @@ def random_prompts(lengths: tuple[int, ...] | list[int], seed: int, vocab: int =
 def assert_no_leaks(engine: LLMEngine) -> None:
     """Every KV page and GDN state slot is back in its free pool, and no request is left."""
     runner = engine.runner
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    s = engine.scheduler
+    assert not s.running and not s.waiting and not s.held and not s.receiving
     reserved = runner.reserved  # held by the CUDA graphs' padding rows
     assert runner.kv_pool.num_free == runner.kv_pool.num_pages - reserved, "KV pages leaked"
     assert runner.state_pool.num_free == runner.state_pool.num_slots - reserved, "GDN state slots leaked"

@@ -75,6 +75,17 @@ class EngineThread:
         self._wake.set()
         return await future
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the engine thread between steps, without waiting for it (from any
+        thread: cleanup paths that must not await); its exception is logged."""
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                logger.error("engine call %s failed: %r", getattr(fn, "__name__", fn), error)
+
+        self._calls.put((fn, args, settle))
+        self._wake.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._run_calls()

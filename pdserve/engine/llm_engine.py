@@ -36,7 +36,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     text_delta: str = ""
     logprobs: list[dict] | None = None
-    handed_over: bool = False  # prefill-only: the state stays in the pools for a transfer
+    lease_id: str | None = None  # handed over: the state stays in the pools under this lease
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
@@ -60,7 +60,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.prefix_cache,
-        )
+        )  # services set scheduler.lease_ttl_s
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             tokenizer.eos_token_ids if tokenizer is not None else ()
@@ -114,15 +114,18 @@ class LLMEngine:
         return seq.request_id
 
     def enqueue(self, seq: Sequence) -> None:
-        """Queue a sequence built by `make_sequence` (and perhaps marked prefill-only)."""
+        """Queue a sequence built by `make_sequence` (and perhaps marked for hand-over)."""
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is (queued, running, receiving, held) and free its memory;
+        False if there was none."""
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
-            seq.hold_memory = False
             self.scheduler.finish(seq)
+            return True
+        return self.scheduler.release_lease(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -154,38 +157,55 @@ class LLMEngine:
             text_delta, finished = seq.stop_checker.append(token)
             if not finished and seq.num_tokens >= self.config.max_model_len:
                 finished, seq.finish_reason = True, "length"
+            lease_id = None
             if finished:
                 seq.finish_reason = seq.finish_reason or seq.stop_checker.finish_reason
                 seq.stop_reason = seq.stop_checker.stop_reason
-            elif seq.prefill_only:
-                seq.hold_memory = True
-            if finished or seq.prefill_only:
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [token], text_delta))
+            elif seq.handoff:
+                lease_id = self.scheduler.hold(seq).lease_id
+                self.requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [token], text_delta, lease_id))
         return outputs
 
-    def admit_prefilled(
-        self, seq: Sequence, first_token: int, block_table: list[int], state_slot: int
-    ) -> None:
-        """Start decoding a sequence whose prompt state was filled by a transfer into
-        `block_table`/`state_slot`; `first_token` was sampled by the prefill instance."""
-        seq.block_table, seq.state_slot = block_table, state_slot
+    # ---- hand-over: the decode side of a transfer, or both sides in one instance
+    def reserve_transfer(self, seq: Sequence, num_pages: int) -> bool:
+        """Memory for a sequence whose prompt state a transfer will fill (RECEIVING); False when
+        it does not fit yet. Abort it to give the memory back."""
+        if not self.scheduler.reserve(seq, num_pages):
+            return False
+        self.requests[seq.request_id] = seq
+        return True
+
+    def start_received(self, seq: Sequence, first_token: int, first_logprobs: list | None) -> None:
+        """Its state has arrived: decode `seq` from `first_token`, sampled by the prefill side."""
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.output_token_ids.append(first_token)
         seq.stop_checker.append(first_token)  # replays the prefill side's detokenizer state
         replay_draws(seq.sampling, self.model_config.vocab_size, 1, self.runner.device)
-        self.requests[seq.request_id] = seq
-        self.scheduler.add_running(seq)
+        if first_logprobs:
+            seq.logprobs.extend(first_logprobs)
+        self.scheduler.start_received(seq)
 
-    def _output(self, seq: Sequence, new_tokens: list[int], text_delta: str) -> RequestOutput:
+    def resume_held(self, request_id: str, lease_id: str) -> bool:
+        """Decode a HELD sequence of this engine in place (no copy); False if its lease is gone."""
+        seq = self.scheduler.resume_held(request_id, lease_id)
+        if seq is None:
+            return False
+        self.requests[request_id] = seq
+        return True
+
+    def _output(
+        self, seq: Sequence, new_tokens: list[int], text_delta: str, lease_id: str | None = None
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=seq.stop_checker.text,
             finished=seq.status is SequenceStatus.FINISHED,
-            handed_over=seq.hold_memory,
+            lease_id=lease_id,
             num_cached_tokens=seq.num_cached_tokens,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

@@ -14,23 +14,14 @@ next turn of a chat) rarely shares a prompt's very end.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdserve.engine.sequence import Sequence
 from pdserve.memory import GdnCheckpointPool, KvPagePool
+from pdserve.prefix_keys import prefix_block_keys
 
-
-def prefix_block_keys(token_ids: list[int], block_size: int, salt: str) -> list[bytes]:
-    """Key of every full block boundary: key[i] covers tokens [0, (i + 1) * block_size). The same
-    function keys the cache of every instance and the router's prefix-aware choice."""
-    keys, parent = [], salt.encode()
-    for end in range(block_size, len(token_ids) + 1, block_size):
-        block = ",".join(map(str, token_ids[end - block_size : end])).encode()
-        parent = hashlib.sha256(parent + b"|" + block).digest()
-        keys.append(parent)
-    return keys
+__all__ = ["CacheEntry", "PrefixCache", "prefix_block_keys"]
 
 
 @dataclass(slots=True)

@@ -10,10 +10,20 @@ Each step:
      at the prompt's checkpoint boundary so its GDN state can be saved there; cache entries are
      evicted before anything running is preempted.
 A sequence samples a token only in the step that brings it to its last token.
+
+Hand-over states (disaggregated serving):
+  prefill side: a `handoff` sequence that sampled its first token becomes HELD: it leaves the
+    batch but keeps its pages and slot under a lease (`hold`), until the decode side has READ
+    them (`release_lease`), the router gives up, or the lease expires (`expire_leases`);
+  decode side: `reserve` gives a transferred sequence its pages and slot (evicting cache
+    entries first, keeping one page of headroom per running sequence), it is RECEIVING while
+    the READ runs, then `start_received` makes it RUNNING.
 """
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,6 +42,15 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+@dataclass(slots=True)
+class HeldLease:
+    """A HELD sequence's memory, leased to whoever READs it: valid until released or expired."""
+
+    seq: Sequence
+    lease_id: str
+    expires: float
+
+
 class Scheduler:
     def __init__(
         self,
@@ -40,25 +59,27 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
+        lease_ttl_s: float = 60.0,
     ) -> None:
         self.prefix_cache = prefix_cache
+        self.lease_ttl_s = lease_ttl_s
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[str, HeldLease] = {}
+        self.receiving: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Admit a sequence whose memory is already filled (a decode instance after a transfer)."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _num_active(self) -> int:
+        return len(self.running) + len(self.receiving)
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
@@ -68,7 +89,8 @@ class Scheduler:
             seq = self.running[i]
             n = self._chunk(seq, seq.num_computed_tokens, budget)
             if not self._grow(seq, n):
-                victim = self.running[-1]
+                # the cheapest to recompute among those not yet in this batch
+                victim = min(self.running[i:], key=lambda s: (s.num_computed_tokens, -self.running.index(s)))
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -76,7 +98,7 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_active() < self.max_num_seqs:
             seq = self.waiting[0]
             if self.state_pool.num_free == 0:
                 break
@@ -144,13 +166,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
+        """End `seq` wherever it is and free its memory."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.receiving.pop(seq.request_id, None)
+        held = self.held.get(seq.request_id)
+        if held is not None and held.seq is seq:
+            del self.held[seq.request_id]
         seq.status = SequenceStatus.FINISHED
-        if not seq.hold_memory:
-            self._release(seq)
+        self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.kv_pool.free(seq.block_table)
@@ -159,7 +185,59 @@ class Scheduler:
             self.state_pool.free(seq.state_slot)
             seq.state_slot = None
 
-    def release_held(self, seq: Sequence) -> None:
-        """Return the memory of a finished sequence that held it for a transfer."""
-        seq.hold_memory = False
-        self._release(seq)
+    # ---- prefill side: HELD sequences and their leases
+    def hold(self, seq: Sequence) -> HeldLease:
+        """Take a running sequence out of the batch, keeping its memory under a new lease."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.HELD
+        lease = HeldLease(seq, secrets.token_hex(16), time.monotonic() + self.lease_ttl_s)
+        self.held[seq.request_id] = lease
+        return lease
+
+    def release_lease(self, request_id: str, lease_id: str | None = None) -> bool:
+        """Free a HELD sequence's memory; True if the lease (any, when `lease_id` is None) was
+        still held, i.e. its memory was the request's own until now."""
+        lease = self.held.get(request_id)
+        if lease is None or (lease_id is not None and lease.lease_id != lease_id):
+            return False
+        self.finish(lease.seq)
+        return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Free the memory of leases past their time; the ids of the requests they held."""
+        expired = [rid for rid, lease in self.held.items() if lease.expires < now]
+        for rid in expired:
+            self.finish(self.held[rid].seq)
+        return expired
+
+    def resume_held(self, request_id: str, lease_id: str) -> Sequence | None:
+        """Decode a HELD sequence here, in place (one instance holding both roles): its memory
+        moves to the batch without a copy. None if the lease is not held."""
+        lease = self.held.get(request_id)
+        if lease is None or lease.lease_id != lease_id:
+            return None
+        del self.held[request_id]
+        lease.seq.status = SequenceStatus.RUNNING
+        lease.seq.handoff = False
+        self.running.append(lease.seq)
+        return lease.seq
+
+    # ---- decode side: memory for a transferred sequence
+    def reserve(self, seq: Sequence, num_pages: int) -> bool:
+        """Give `seq` `num_pages` pages and a slot for an incoming transfer (RECEIVING), keeping a
+        page of headroom per running sequence; False (nothing taken) when they do not fit."""
+        if self._num_active() >= self.max_num_seqs or self.state_pool.num_free == 0:
+            return False
+        if not self._make_room(num_pages + len(self.running)):
+            return False
+        seq.block_table = self.kv_pool.allocate(num_pages)
+        seq.state_slot = self.state_pool.allocate()
+        seq.status = SequenceStatus.RECEIVING
+        self.receiving[seq.request_id] = seq
+        return True
+
+    def start_received(self, seq: Sequence) -> None:
+        """A RECEIVING sequence's state has arrived: it joins the batch."""
+        del self.receiving[seq.request_id]
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)

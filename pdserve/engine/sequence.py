@@ -12,7 +12,9 @@ from pdserve.sampling.sampler import SamplingState
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued; owns no memory
     RUNNING = "running"  # owns KV pages and a GDN state slot
-    FINISHED = "finished"  # memory returned (or handed over: see `hold_memory`)
+    HELD = "held"  # prefill side: first token out, memory kept under a lease until pulled
+    RECEIVING = "receiving"  # decode side: memory reserved, its state being READ from a peer
+    FINISHED = "finished"  # memory returned
 
 
 @dataclass(eq=False)
@@ -33,10 +35,9 @@ class Sequence:
     sampling: SamplingState | None = None  # shares `output_token_ids`
     stop_checker: object | None = None  # pdserve.sampling.stop.StopChecker when text is tracked
     logprobs: list[dict] = field(default_factory=list)
-    # Prefill-only serving: after its first token the sequence is handed over (finished here,
-    # finish_reason None) and keeps its pages and slot until the decode side has pulled them.
-    prefill_only: bool = False
-    hold_memory: bool = False
+    # Hand-over (prefill service): after its first token the sequence is HELD, its pages and
+    # slot kept under a lease until a decode instance has pulled them, instead of decoding on.
+    handoff: bool = False
 
     @property
     def num_tokens(self) -> int:

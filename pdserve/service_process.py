@@ -1,0 +1,121 @@
+"""Running a service process: its gRPC server(s), its heartbeat in Redis, prefix-key publishing,
+and a clean stop on SIGINT/SIGTERM.
+
+Lifecycle: load the model (the host) -> listen (one server per role) -> register each role +
+heartbeat (TTL) -> serve until a signal -> deregister (routers stop sending work) -> drain
+calls -> stop. Background tasks never die of one error: a Redis outage is logged and retried,
+and the registry and prefix ownership come back by themselves when Redis does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+from pdserve.registry import InstanceInfo, InstanceRegistry
+from pdserve.rpc import RpcServer, join_host_port
+from pdserve.serving import EngineHost, ServiceConfig
+
+log = logging.getLogger("pdserve.serving")
+
+
+def advertised_host(host: str, advertise_host: str | None) -> str:
+    """The host other processes dial: explicit, else the bind host, else (0.0.0.0) our hostname."""
+    if advertise_host:
+        return advertise_host
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
+async def publish_prefix_keys(
+    registry: InstanceRegistry, host: EngineHost, instance_id: str, interval_s: float
+) -> None:
+    """Keep `{ns}:prefix:{hash}` -> this instance for every block its cache holds, with a TTL of
+    a few intervals, so an evicted block (or a dead instance) drops out by itself."""
+    failing = False
+    while True:
+        try:
+            for key in host.prefix_keys():
+                await registry.set_prefix_owner(key, instance_id, ttl_s=3 * interval_s)
+            if failing:
+                log.warning("prefix keys: Redis answers again")
+            failing = False
+        except Exception as e:  # Redis away (or anything else): retry at the next beat
+            if not failing:
+                log.warning("prefix keys: cannot publish (%s); retrying every %.1fs", e, interval_s)
+            failing = True
+        await asyncio.sleep(interval_s)
+
+
+async def run_service(
+    config: ServiceConfig,
+    host: EngineHost,
+    servers: dict[str, RpcServer],
+    on_ready: Callable[[dict[str, str]], None] | None = None,
+) -> None:
+    """Serve `servers` (role -> server) until SIGINT/SIGTERM (or cancellation); `on_ready`
+    gets role -> address once registered. Roles after the first listen on the next ports."""
+    instance_id, heartbeat_s = config.instance_id, config.heartbeat_s
+    host.start()
+    addresses: dict[str, str] = {}
+    for i, (role, server) in enumerate(servers.items()):
+        port = config.port + i if config.port else 0
+        bound = await server.start(config.host, port)
+        addresses[role] = join_host_port(advertised_host(config.host, config.advertise_host), bound)
+    registry = host.registry
+    started = time.time()
+
+    def info_of(role: str) -> Callable[[], InstanceInfo]:
+        def info() -> InstanceInfo:
+            return InstanceInfo(
+                role=role,
+                instance_id=instance_id,
+                address=addresses[role],
+                load=host.load(),
+                started_at=started,
+                extra=host.extra(),
+            )
+
+        return info
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    tasks: list[asyncio.Task] = []
+    try:
+        if registry is not None:
+            for role in servers:
+                await registry.register(info_of(role)(), ttl_s=3 * heartbeat_s)
+                tasks.append(
+                    asyncio.create_task(
+                        registry.heartbeat_forever(
+                            info_of(role), interval_s=heartbeat_s, ttl_s=3 * heartbeat_s
+                        )
+                    )
+                )
+            tasks.append(asyncio.create_task(publish_prefix_keys(registry, host, instance_id, heartbeat_s)))
+        log.info("%s %s serving on %s", "+".join(servers), instance_id, addresses)
+        if on_ready is not None:
+            on_ready(addresses)
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        if registry is not None:
+            for role in servers:
+                try:
+                    await registry.deregister(role, instance_id)
+                except Exception as e:  # Redis gone: our key expires by its TTL anyway
+                    log.warning("could not deregister %s %s: %s", role, instance_id, e)
+            await registry.close()
+        for server in servers.values():
+            await server.stop(grace=2.0)
+        host.stop()
+        log.info("%s %s stopped", "+".join(servers), instance_id)
