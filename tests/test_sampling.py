@@ -37,12 +37,30 @@ from pdserve.sampling.sampler import apply_min_p, apply_penalties, apply_top_k_t
         {"stop_token_ids": [-1]},
         {"logprobs": -1},
         {"logprobs": 21},
+        # past int64: msgpack and torch overflow (top_k 2**64 took a prefill out of rotation)
+        {"n": 2**63},
+        {"top_k": 2**63},
+        {"top_k": 2**64},
+        {"seed": 2**63},
+        {"seed": -(2**63) - 1},
+        {"max_tokens": 2**64},
+        {"min_tokens": 2**63, "max_tokens": None},
+        {"stop_token_ids": [5, 2**63]},
+        # stop strings are bounded: 64 of them, 4,096 characters in all
+        {"stop": ["s"] * 65},
+        {"stop": ["x" * 4000, "y" * 97]},
     ],
 )
 def test_params_reject_bad_values(bad: dict) -> None:
-    field = next(iter(bad)) if len(bad) == 1 else "min_tokens"
+    field = next(iter(bad)) if len(bad) == 1 or "max_tokens" not in bad else "min_tokens"
     with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**bad)
+
+
+def test_params_accept_the_edges_of_their_ranges() -> None:
+    p = SamplingParams(top_k=2**63 - 1, seed=-(2**63), stop_token_ids=[2**63 - 1], stop=["s"] * 64)
+    assert p.top_k == 2**63 - 1 and SamplingParams(seed=2**63 - 1, max_tokens=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(stop=["x" * 4000, "y" * 96]).stop[1] == "y" * 96
 
 
 def test_params_normalise() -> None:

@@ -4,6 +4,13 @@ Names and meanings follow vLLM's `SamplingParams` (and so the OpenAI API): a tem
 means greedy, `top_k` of -1 or 0 and `top_p` of 1 switch those filters off, and `logprobs` is the
 number of top alternatives returned beside the chosen token's own log-probability. Every field
 is checked when the object is built; a bad value raises `ValueError` naming the field.
+
+Every integer must fit an int64 (requests cross processes as msgpack, and the sampler builds
+int64 tensors): seed in [-2**63, 2**63) (OpenAI's range), top_k, max_tokens, min_tokens and
+stop_token_ids below 2**63. Stop strings are bounded: at most `MAX_STOP_STRINGS` strings of at
+most `MAX_STOP_CHARS` characters in all. The stop checker builds an automaton of their
+characters per request (pdserve.sampling.stop): their total length is its set-up time on the
+engine thread (about 0.5 us a character) and its memory.
 """
 
 from __future__ import annotations
@@ -13,10 +20,17 @@ from dataclasses import dataclass
 # Temperatures below this are greedy (vLLM's threshold): dividing by them would overflow.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 64  # OpenAI allows 4, TGI 4 by default, vLLM any number
+MAX_STOP_CHARS = 4096  # all stop strings of a request together
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_int_in(value: object, low: int, high: int = INT64_MAX) -> bool:
+    return _is_int(value) and low <= value <= high
 
 
 def _is_number(value: object) -> bool:
@@ -59,14 +73,14 @@ class SamplingParams:
             self.top_k = -1
 
     def _check_counts(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if not _is_int_in(self.n, 1):
+            raise ValueError(f"n must be an int in [1, 2**63), got {self.n!r}")
+        if self.seed is not None and not _is_int_in(self.seed, INT64_MIN):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**63), got {self.seed!r}")
+        if self.max_tokens is not None and not _is_int_in(self.max_tokens, 1):
+            raise ValueError(f"max_tokens must be None or an int in [1, 2**63), got {self.max_tokens!r}")
+        if not _is_int_in(self.min_tokens, 0):
+            raise ValueError(f"min_tokens must be an int in [0, 2**63), got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (
@@ -79,8 +93,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
+        if not _is_int_in(self.top_k, -1):
+            raise ValueError(f"top_k must be -1 or 0 (off) or an int in [1, 2**63), got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
@@ -98,9 +112,16 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in stop):
             raise ValueError("stop cannot contain an empty string")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if (chars := sum(map(len, stop))) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings must have at most {MAX_STOP_CHARS} characters in all, got {chars}"
+            )
         ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if not all(_is_int_in(t, 0) for t in ids):
+            bad = next(t for t in ids if not _is_int_in(t, 0))
+            raise ValueError(f"stop_token_ids must be ints in [0, 2**63), got {bad!r}")
         self.stop = stop
         self.stop_token_ids = ids
 
