@@ -1,128 +1,58 @@
-"""`pdserve up`: the whole stack on one machine, as child processes.
+"""`pdserve up`: the whole stack on one machine, as supervised child processes.
 
 Lifecycle:
   1. model    --model, or the embedded tiny model (made once, on the CPU)
-  2. redis    --redis-url, or a private redis-server on a free loopback port
-  3. services N prefill + M decode processes (`pdserve prefill|decode --port 0`), each on a
+  2. secrets  an internal secret (a 0600 file in a private temp folder) and, for the private
+              Redis, a random password; children get them in their environment only
+              (PDSERVE_INTERNAL_SECRET_FILE, PDSERVE_REDIS_PASSWORD), never on a command line
+  3. redis    --redis-url, or a private redis-server on a free loopback port
+  4. services N prefill + M decode processes (`pdserve prefill|decode --port 0`), each on a
               free loopback port, registering in Redis as prefill-0.., decode-0..; on GPUs,
-              process i gets CUDA_VISIBLE_DEVICES = GPU (i mod #GPUs), prefill first
-  4. router   `pdserve router --port P`, then poll http://HOST:P/health until it answers 200
-              with N prefill and M decode instances live (or a child dies, or time runs out)
-  5. serve    print the URL; wait for SIGINT/SIGTERM (or a child dying)
-  6. stop     router, then the services, then Redis: SIGTERM, wait, SIGKILL after a grace period
+              process i gets CUDA_VISIBLE_DEVICES = GPU (i mod #GPUs), prefill first. One GPU
+              (or --colocate): ONE `pdserve engine` process holding both roles (weights once)
+  5. router   `pdserve router --port P`, then poll http://HOST:P/health until it answers 200
+              with the prefill and decode instances live (a child dying here fails the start)
+  6. serve    print the URL; a child that dies is restarted with backoff (pdserve.supervisor)
+  7. stop     on SIGINT/SIGTERM: the router (SIGTERM, --shutdown-timeout to drain its streams),
+              then the services, then Redis; SIGKILL for those that outstay their time
 
-Children's output is echoed line by line with a "[name]" prefix; when one dies, the tail of
-its output is printed. Children run in their own process group, so a terminal's Ctrl-C reaches
-only the launcher, which stops them in order.
+Children run in their own process groups (a terminal's Ctrl-C reaches only the launcher) and
+die with the launcher, even when it is SIGKILLed (pdserve.supervisor).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import math
 import os
+import secrets
+import shutil
 import signal
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from pdserve import layout
 from pdserve.cli_args import add_engine_arguments, engine_argv, engine_config_from_args, resolve_device
 from pdserve.config import ModelConfig
 from pdserve.registry import RedisServer
+from pdserve.supervisor import Child, die_with_parent_wrapper, is_running, say, stop_children
 
 # the services import the engine flags from here
 __all__ = ["add_arguments", "add_engine_arguments", "engine_config_from_args", "run"]
 
 CLI = (sys.executable, "-m", "pdserve.cli")  # how a child pdserve command starts
-GRACE_S = 10.0
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-
-
-def say(msg: str) -> None:
-    print(f"[pdserve up] {msg}", file=sys.stderr, flush=True)
+SERVICE_GRACE_S = 10.0
+SECRET_ENVS = ("PDSERVE_INTERNAL_SECRET_FILE", "PDSERVE_INTERNAL_SECRET")
 
 
 class StartupError(RuntimeError):
     pass
-
-
-class Child:
-    """One child process; its output is echoed with a prefix and its last lines kept."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.proc = subprocess.Popen(
-            argv,
-            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-        )
-        self._reader = threading.Thread(target=self._echo, name=f"echo-{name}", daemon=True)
-        self._reader.start()
-
-    def _echo(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            self.tail.append(line)
-            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
-
-    def failure(self) -> str | None:
-        """None while it runs; otherwise how it ended and its last output."""
-        code = self.proc.poll()
-        if code is None:
-            return None
-        self._reader.join(1.0)
-        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
-        return f"{self.name} exited with status {code}; its last output:\n{lines}"
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-
-    def wait_or_kill(self, deadline: float) -> None:
-        try:
-            self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            say(f"{self.name} did not stop in time: killing it")
-            self.proc.kill()
-            self.proc.wait()
-        self._reader.join(1.0)
-
-
-def stop_group(children: list[Child], grace: float = GRACE_S) -> None:
-    """SIGTERM all of them, then SIGKILL the ones still running after `grace` seconds."""
-    for child in children:
-        child.terminate()
-    deadline = time.monotonic() + grace
-    for child in children:
-        child.wait_or_kill(deadline)
-
-
-def visible_gpus() -> list[str]:
-    """The GPU ids children may use: $CUDA_VISIBLE_DEVICES's entries, or 0..count-1."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
-def gpu_plan(num_processes: int, gpus: list[str]) -> list[str]:
-    """Process i -> GPU gpus[i mod len(gpus)] (round-robin)."""
-    if not gpus:
-        raise StartupError("--device cuda but no GPU is visible")
-    return [gpus[i % len(gpus)] for i in range(num_processes)]
 
 
 def health(url: str) -> dict | None:
@@ -139,11 +69,25 @@ def local_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
+def split_redis_password(url: str) -> tuple[str, str | None]:
+    """(the URL without its password, the password or None): the password travels apart."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url, None
+    user = urllib.parse.quote(parts.username or "", safe="")
+    netloc = (f"{user}@" if user else "") + parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), urllib.parse.unquote(parts.password)
+
+
 class Stack:
-    """The children of one `pdserve up`, stopped in order: router, services, Redis."""
+    """The children of one `pdserve up`, supervised, and stopped in order: router, services,
+    Redis. Holds the private folder of the generated internal secret."""
 
     def __init__(self) -> None:
-        self.redis: RedisServer | None = None
+        self.folder = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # mode 0700
+        self.env: dict[str, str] = {}  # the secrets' variables, for every child
+        self.redis: RedisServer | None = None  # the private one
+        self.redis_url = ""
         self.services: list[Child] = []
         self.router: Child | None = None
 
@@ -151,19 +95,53 @@ class Stack:
     def children(self) -> list[Child]:
         return self.services + ([self.router] if self.router else [])
 
+    def make_secrets(self, redis_url: str | None) -> None:
+        """Step 2-3: the internal secret (PDSERVE_INTERNAL_SECRET(_FILE) of our environment, else
+        a new one in a 0600 file), and Redis: `redis_url` (its password moved to the
+        environment), else a private redis-server with a random password."""
+        if not any(os.environ.get(name) for name in SECRET_ENVS):
+            path = self.folder / "internal-secret"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+            self.env["PDSERVE_INTERNAL_SECRET_FILE"] = str(path)
+        if redis_url:
+            self.redis_url, password = split_redis_password(redis_url)
+        else:
+            password = secrets.token_hex(32)
+            binary = die_with_parent_wrapper("redis-server", self.folder)
+            try:
+                self.redis = RedisServer(binary=binary, password=password).start()
+            except RuntimeError as e:
+                raise StartupError(str(e)) from e
+            self.redis_url = split_redis_password(self.redis.url)[0]
+            say(f"redis at {self.redis_url} (its password in the children's environment)")
+        if password is not None:
+            self.env["PDSERVE_REDIS_PASSWORD"] = password
+
     def failure(self) -> str | None:
         return next((f for f in (c.failure() for c in self.children) if f), None)
 
-    def stop(self) -> None:
+    def supervise(self) -> str | None:
+        """Restart dead children (with backoff); a message when the stack cannot go on."""
+        now = time.monotonic()
+        for child in self.children:
+            child.poll_restart(now)
+        if self.redis is not None and not is_running(self.redis.pid or 0):
+            return "the private redis-server died (the services know only its port): stopping"
+        return None
+
+    def stop(self, shutdown_timeout_s: float, hurry: threading.Event) -> None:
         if self.router is not None:
-            say("stopping the router")
-            stop_group([self.router])
+            say(f"stopping the router (up to {shutdown_timeout_s:.0f}s for open streams)")
+            stop_children([self.router], shutdown_timeout_s, hurry)
         if self.services:
             say(f"stopping {len(self.services)} service(s)")
-            stop_group(self.services)
+            stop_children(self.services, SERVICE_GRACE_S, hurry)
         if self.redis is not None:
             say("stopping redis")
             self.redis.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def model_and_device(args: argparse.Namespace) -> tuple[str, str]:
@@ -181,41 +159,51 @@ def model_and_device(args: argparse.Namespace) -> tuple[str, str]:
     return model, device
 
 
-def spawn(args: argparse.Namespace, stack: Stack, model: str, device: str, redis_url: str) -> None:
-    """Steps 3-4: start the services (GPUs round-robin), then the router."""
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+def router_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file's key, else --api-key, else $PDSERVE_API_KEY."""
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise StartupError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from e
+        if not key:
+            raise StartupError(f"--api-key-file {args.api_key_file}: the file is empty")
+        return key
+    if args.api_key is not None:
+        say("--api-key shows in `ps`: prefer --api-key-file PATH or $PDSERVE_API_KEY")
+    return args.api_key or os.environ.get("PDSERVE_API_KEY")
+
+
+def spawn(args: argparse.Namespace, stack: Stack, plan: list[layout.ServiceProcess], model: str) -> None:
+    """Steps 4-5: start the services, then the router. Secrets go in the environment; the API
+    key reaches the router only."""
+    base_env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"} | stack.env
     engine = engine_argv(args)
-    gpus = gpu_plan(len(roles), visible_gpus()) if device == "cuda" else [None] * len(roles)
-    if device == "cuda" and args.gpu_memory_utilization is None:
-        share = math.ceil(len(roles) / len(set(gpus)))  # processes on the busiest GPU
-        if share > 1:
-            util = round(DEFAULT_GPU_MEMORY_UTILIZATION / share, 3)
-            say(f"{share} processes share a GPU: --gpu-memory-utilization {util} each")
-            engine += ["--gpu-memory-utilization", str(util)]
-    model_args = ["--model", model, "--redis-url", redis_url]
-    counts: dict[str, int] = collections.Counter()
-    for role, gpu in zip(roles, gpus, strict=True):
-        name = f"{role}-{counts[role]}"
-        counts[role] += 1
-        argv = [*CLI, role, *model_args, "--device", device, *engine, "--instance-id", name]
+    util = layout.shared_gpu_memory_utilization(plan)
+    if util is not None and args.gpu_memory_utilization is None:
+        say(f"processes share a GPU: --gpu-memory-utilization {util} each")
+        engine += ["--gpu-memory-utilization", str(util)]
+    device = "cpu" if plan[0].gpu is None else "cuda"
+    model_args = ["--model", model, "--redis-url", stack.redis_url]
+    for p in plan:
+        argv = [*CLI, p.command, *model_args, "--device", device, *engine, "--instance-id", p.name]
         argv += ["--host", "127.0.0.1", "--port", "0", "--advertise-host", "127.0.0.1"]
-        env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
-        say(f"starting {name}" + (f" on GPU {gpu}" if gpu is not None else ""))
-        stack.services.append(Child(name, argv, env))
-    say(f"starting the router on {args.host}:{args.port}")
+        env = base_env | ({"CUDA_VISIBLE_DEVICES": p.gpu} if p.gpu is not None else {})
+        stack.services.append(Child(p.name, argv, env))
+        say(f"started {p.name} (pid {stack.services[-1].pid})" + (f" on GPU {p.gpu}" if p.gpu else ""))
     argv = [*CLI, "router", *model_args, "--host", args.host, "--port", str(args.port)]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
-    # the key travels in the environment, not on the command line where `ps` shows it
-    stack.router = Child("router", argv, {"PDSERVE_API_KEY": args.api_key} if args.api_key else None)
+    key = router_api_key(args)
+    stack.router = Child("router", argv, base_env | ({"PDSERVE_API_KEY": key} if key else {}))
+    say(f"started the router on {args.host}:{args.port} (pid {stack.router.pid})")
 
 
-def wait_ready(args: argparse.Namespace, stack: Stack, stopping: threading.Event) -> str:
-    """Step 4: poll the router's /health until every instance is live; returns the router URL."""
+def wait_ready(args: argparse.Namespace, stack: Stack, want: dict[str, int], stop: threading.Event) -> str:
+    """Step 5: poll the router's /health until every instance is live; returns the router URL."""
     url = f"http://{local_host(args.host)}:{args.port}"
-    want = {"prefill": args.prefill, "decode": args.decode}
     deadline, last = time.monotonic() + args.startup_timeout, None
     while True:
         failure = stack.failure()
@@ -231,51 +219,63 @@ def wait_ready(args: argparse.Namespace, stack: Stack, stopping: threading.Event
             last = progress
         if time.monotonic() > deadline:
             raise StartupError(f"not ready after {args.startup_timeout:.0f}s ({progress})")
-        if stopping.wait(0.5):
+        if stop.wait(0.5):
             raise StartupError("interrupted during startup")
 
 
 def start(args: argparse.Namespace, stack: Stack, stopping: threading.Event) -> str:
-    """Steps 1-4 of the lifecycle; returns the router's URL. Raises StartupError."""
+    """Steps 1-5 of the lifecycle; returns the router's URL. Raises StartupError."""
     t0 = time.monotonic()
     model, device = model_and_device(args)
-    if args.redis_url:
-        redis_url = args.redis_url
-    else:
-        try:
-            stack.redis = RedisServer().start()
-        except RuntimeError as e:
-            raise StartupError(str(e)) from e
-        redis_url = stack.redis.url
-        say(f"redis at {redis_url}")
+    try:
+        plan = layout.plan_services(args.prefill, args.decode, args.colocate, device)
+    except layout.LayoutError as e:
+        raise StartupError(str(e)) from e
+    if device == "cuda" and len(plan) == 1 and not args.colocate:
+        say("one GPU: one engine process holds both roles (--prefill 1 --decode 1 splits them)")
+    stack.make_secrets(args.redis_url)
     if stopping.is_set():
         raise StartupError("interrupted during startup")
-    spawn(args, stack, model, device, redis_url)
-    url = wait_ready(args, stack, stopping)
-    say(f"ready in {time.monotonic() - t0:.1f}s: {args.prefill} prefill, {args.decode} decode")
+    spawn(args, stack, plan, model)
+    url = wait_ready(args, stack, layout.role_counts(plan), stopping)
+    say(f"ready in {time.monotonic() - t0:.1f}s: {layout.describe(plan)}")
     return url
 
 
 # ---- `pdserve up` (registered in pdserve/cli.py)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, host="127.0.0.1", port=8000, model_required=False)
-    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill processes (default 1)")
-    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode processes (default 1)")
+    parser.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill processes (1)")
+    parser.add_argument("--decode", type=int, default=None, metavar="M", help="decode processes (1)")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="one engine process holding both roles (the default with --device cuda and one GPU)",
+    )
     parser.add_argument("--redis-url", default=None, help="use this Redis (default: start a private one)")
-    parser.add_argument("--api-key", default=None, help="the router requires it as a Bearer token on /v1/")
+    parser.add_argument("--api-key-file", metavar="PATH", help="the router requires its key on /v1/ (Bearer)")
+    parser.add_argument("--api-key", help="as --api-key-file, but `ps` shows it (or: $PDSERVE_API_KEY)")
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for the stack (default 600)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, seconds the router may take to finish open streams (default 30)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.prefill < 1 or args.decode < 1:
-        raise SystemExit("pdserve up: --prefill and --decode must be at least 1")
-    stopping = threading.Event()
+    stopping, hurry = threading.Event(), threading.Event()
     signals = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
     def on_signal(signum: int, _frame: object) -> None:
-        if not stopping.is_set():
+        if stopping.is_set():
+            say(f"{signals[signum]} again: killing what is left")
+            hurry.set()
+        else:
             say(f"{signals[signum]}: shutting down")
         stopping.set()
 
@@ -285,15 +285,15 @@ def run(args: argparse.Namespace) -> int:
         url = start(args, stack, stopping)
         print(f"pdserve is up: {url}/v1 (health {url}/health); Ctrl-C stops it", flush=True)
         while not stopping.wait(0.5):
-            failure = stack.failure()
-            if failure:
-                say(f"shutting down: {failure}")
+            fatal = stack.supervise()
+            if fatal:
+                say(fatal)
                 return 1
         return 0
     except StartupError as e:
         say(str(e))
         return 130 if stopping.is_set() else 1
     finally:
-        stack.stop()
+        stack.stop(args.shutdown_timeout, hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

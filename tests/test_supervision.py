@@ -1,0 +1,149 @@
+"""`pdserve up` supervises its children: a dead child is restarted with backoff and serves
+again; SIGKILL of the launcher leaves no child alive; Ctrl-C (SIGINT to the terminal's
+process group) stops the router first and Redis last; no secret is on any command line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import openai
+import pytest
+
+from pdserve.supervisor import Backoff, Child, is_running
+from tests.up_process import UpProcess, cmdline, descendants, environ
+
+
+def test_backoff_doubles_up_to_its_cap_and_resets_after_a_healthy_run() -> None:
+    backoff = Backoff(first_s=1.0, max_s=30.0, healthy_s=60.0)
+    assert [backoff.after_exit(uptime_s=2.0) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert backoff.after_exit(uptime_s=61.0) == 1.0
+    assert backoff.after_exit(uptime_s=2.0) == 2.0
+
+
+def test_a_crashing_child_is_restarted_after_its_backoff_with_its_output_logged(capsys) -> None:
+    argv = [sys.executable, "-c", "import sys; print('boom at start'); sys.exit(3)"]
+    child = Child("crasher", argv, dict(os.environ), Backoff(first_s=0.3, max_s=30.0))
+    first = child.pid
+    child.proc.wait()
+    child.poll_restart(time.monotonic())  # found dead: logged, restart scheduled
+    err = capsys.readouterr().err
+    assert "crasher exited with status 3" in err and "boom at start" in err
+    assert "restarting crasher in 0.3s" in err
+    child.poll_restart(time.monotonic())  # not due yet
+    assert child.pid == first
+    time.sleep(0.35)
+    child.poll_restart(time.monotonic())
+    assert child.pid != first and child.restarts == 1
+    child.wait_or_kill(time.monotonic() + 10)
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(is_running(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if is_running(p)]
+
+
+def chat(url: str) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Hello!"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    return reply.choices[0].finish_reason
+
+
+def test_a_killed_decode_child_is_restarted_and_serves_again(tmp_path) -> None:
+    up = UpProcess(tmp_path).start()
+    try:
+        assert chat(up.url) in ("stop", "length")
+        old = up.children()["decode-0"]
+        os.kill(old, signal.SIGKILL)
+        mark = len(up.lines)
+        up.wait_for(r"decode-0 exited with status -9", 10, after=mark)
+        up.wait_for(r"restarted decode-0 \(pid \d+", 10, after=mark)
+        new = up.children()["decode-0"]
+        assert new != old and is_running(new)
+        deadline, served = time.monotonic() + 60, None
+        while served is None:  # the new decode registers under the same instance id
+            try:
+                served = chat(up.url)
+            except openai.APIError:
+                assert time.monotonic() < deadline, up.output()
+                time.sleep(0.5)
+        assert served in ("stop", "length")
+        assert up.proc.poll() is None, "the launcher stopped the stack"
+    finally:
+        assert up.stop() == 0, up.output()
+
+
+def test_sigkill_of_pdserve_up_leaves_no_child_alive(tmp_path) -> None:
+    up = UpProcess(tmp_path).start()
+    children = up.children()
+    assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
+    below = descendants(up.proc.pid)
+    up.proc.kill()
+    up.proc.wait()
+    alive = wait_gone(below, timeout=5)
+    for pid in alive:  # do not leave them behind for the next test
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, {pid: cmdline(pid) for pid in alive}
+
+
+def test_no_secret_or_password_is_on_any_command_line(tmp_path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text("s3cret-api-key\n")
+    up = UpProcess(tmp_path, "--api-key-file", str(key_file)).start()
+    try:
+        children = up.children()
+        assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
+        router_env = environ(children["router"])
+        secret_file = router_env["PDSERVE_INTERNAL_SECRET_FILE"]
+        assert os.stat(secret_file).st_mode & 0o777 == 0o600
+        secrets = {open(secret_file).read().strip(), router_env["PDSERVE_REDIS_PASSWORD"], "s3cret-api-key"}
+        assert all(len(s) >= 12 for s in secrets)
+        for name, pid in children.items():
+            line = cmdline(pid)
+            assert not any(s in line for s in secrets), f"{name} has a secret on its command line: {line}"
+            if name != "redis":  # redis-server rewrites its environment area (its process title)
+                env = environ(pid)
+                assert env["PDSERVE_INTERNAL_SECRET_FILE"] == secret_file, name
+                assert env["PDSERVE_REDIS_PASSWORD"] == router_env["PDSERVE_REDIS_PASSWORD"], name
+                assert ("PDSERVE_API_KEY" in env) == (name == "router"), name
+        assert not any(s in " ".join(up.argv) for s in secrets)
+    finally:
+        assert up.stop() == 0, up.output()
+    assert not os.path.exists(secret_file)
+
+
+def test_ctrl_c_stops_the_router_first_and_redis_last(tmp_path) -> None:
+    up = UpProcess(tmp_path).start()
+    children = up.children()
+    assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
+    os.killpg(up.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    gone_at: dict[str, float] = {}
+    deadline = time.monotonic() + 60
+    while len(gone_at) < len(children) and time.monotonic() < deadline:
+        for name, pid in children.items():
+            if name not in gone_at and not is_running(pid):
+                gone_at[name] = time.monotonic()
+        time.sleep(0.01)
+    assert up.proc.wait(30) == 0, up.output()
+    assert set(gone_at) == set(children), up.output()
+    services = [gone_at[name] for name in ("prefill-0", "decode-0")]
+    assert gone_at["router"] <= min(services), gone_at
+    assert max(services) <= gone_at["redis"], gone_at
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    """A failed test must not leave children serving (they would slow every later test)."""
+    before = set(descendants(os.getpid()))
+    yield
+    for pid in set(descendants(os.getpid())) - before:
+        os.kill(pid, signal.SIGKILL)
