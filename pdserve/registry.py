@@ -194,7 +194,7 @@ class InstanceRegistry:
             except (ValueError, TypeError) as e:
                 log.warning("ignoring malformed instance key %s: %s", key, e)
                 continue
-            if key != self._instance_key(role, info.instance_id):
+            if info.role != role or key != self._instance_key(role, info.instance_id):
                 log.warning("ignoring instance key %s: it holds %s %r", key, info.role, info.instance_id)
                 continue
             found.append(info)

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -129,6 +130,17 @@ def test_calls_without_the_secret_are_refused_before_the_handler_runs() -> None:
                 await client.close()
 
     asyncio.run(main())
+
+
+def test_the_container_healthcheck_needs_no_secret(monkeypatch) -> None:
+    async def main() -> int:
+        async with guarded_server(SECRET, []) as address:
+            health = [sys.executable, "-m", "pdserve.rpc", address]
+            done = await asyncio.to_thread(subprocess.run, health, capture_output=True, timeout=30)
+            return done.returncode
+
+    monkeypatch.setenv(SECRET_ENV, "not-the-servers-secret-0123")  # the healthcheck sends none
+    assert asyncio.run(main()) == 0
 
 
 def test_the_bearer_scheme_is_case_insensitive() -> None:
