@@ -17,9 +17,10 @@ _AGENTS: weakref.WeakValueDictionary[str, LocalCopyAgent] = weakref.WeakValueDic
 
 
 class LocalCopyAgent(BaseTransferAgent):
-    """Takes `BaseTransferAgent`'s arguments; `timeout_s` is moot here. Names must be unique."""
+    """Takes `BaseTransferAgent`'s arguments; `timeout_s` is moot here, and so is `bind_host`
+    (accepted as `TransferAgent` does: nothing listens). Names must be unique."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, bind_host: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.name in _AGENTS:
             raise ValueError(f"a LocalCopyAgent named {self.name!r} exists already")
