@@ -84,8 +84,9 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
     )
 
 
-def engine_transfer_agent(engine: LLMEngine, name: str, timeout_s: float) -> TransferAgent:
-    """A NIXL agent with the engine's KV pool and GDN state pools registered."""
+def engine_transfer_agent(engine: LLMEngine, name: str, timeout_s: float, bind_host: str) -> TransferAgent:
+    """A NIXL agent with the engine's KV pool and GDN state pools registered, listening only on
+    the interface of `bind_host` (the service's own bind address)."""
     runner = engine.runner
     pools = {
         "kv": runner.kv_pool.kv,
@@ -93,7 +94,9 @@ def engine_transfer_agent(engine: LLMEngine, name: str, timeout_s: float) -> Tra
         "recurrent": runner.state_pool.recurrent,
     }
     model = model_identity(engine.config.model_config)
-    return TransferAgent(name, pools, POOL_UNIT_DIMS, model, engine.config.page_size, timeout_s=timeout_s)
+    return TransferAgent(
+        name, pools, POOL_UNIT_DIMS, model, engine.config.page_size, timeout_s=timeout_s, bind_host=bind_host
+    )
 
 
 def load_report(engine: LLMEngine) -> dict:
@@ -156,7 +159,7 @@ class EngineHost:
         self.engine.scheduler.lease_ttl_s = config.handoff_timeout_s
         self.incarnation = secrets.token_hex(4)
         agent_name = f"{config.instance_id}#{self.incarnation}"
-        self.agent = engine_transfer_agent(self.engine, agent_name, config.transfer_timeout_s)
+        self.agent = engine_transfer_agent(self.engine, agent_name, config.transfer_timeout_s, config.host)
         self.registry = InstanceRegistry(config.redis_url) if config.redis_url else None
         self.roles: list[ServiceRole] = []
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -1,0 +1,120 @@
+"""Bursts larger than every pool: `n: 200` on one request and 256 concurrent requests against
+`--max-num-seqs 8` (1 prefill + 1 decode). Before the hand-over streamed each first token and
+carried a lease, such a burst waited on itself for `--handoff-timeout`, then returned outputs
+read from memory already given to other requests. Now every request ends, every greedy output
+equals the offline engine's, and the pools are idle afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from pdserve import LLM, SamplingParams
+from tests.stack import Stack
+
+MAX_TOKENS = 12
+PROMPTS = [f"Request number {i} asks about {w}" for i, w in enumerate(["GPUs", "tea", "rivers", "owls"] * 4)]
+
+
+class SmallStack(Stack):
+    """The test stack with 8 sequences an instance instead of 48."""
+
+    def _spawn(self, name: str, *args: str) -> None:
+        args = list(args)
+        if "--max-num-seqs" in args:
+            args[args.index("--max-num-seqs") + 1] = "8"
+        super()._spawn(name, *args)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    s = SmallStack(tiny_model_dir, tmp_path_factory.mktemp("overload"), num_prefill=1, num_decode=1).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir) -> dict[str, str]:
+    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return {p: out.text for p, out in zip(PROMPTS, offline.generate(PROMPTS, params), strict=True)}
+
+
+def idle(stack: Stack, timeout: float = 10.0) -> dict:
+    """Wait until every instance reports all its pages and slots free; its last load report."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = _loads(stack)
+        if all(_is_idle(load) for load in report.values()) or time.monotonic() > deadline:
+            return report
+        time.sleep(0.3)
+
+
+def _loads(stack: Stack) -> dict:
+    from pdserve.registry import InstanceRegistry
+
+    async def read() -> dict:
+        async with InstanceRegistry(stack.redis.url) as registry:
+            found = {}
+            for role in ("prefill", "decode"):
+                for info in await registry.instances(role):
+                    found[f"{role}:{info.instance_id}"] = info.load
+            return found
+
+    return asyncio.run(read())
+
+
+def _is_idle(load: dict) -> bool:
+    busy = ("running", "waiting", "held", "receiving", "incoming")
+    return not any(load.get(k) for k in busy) and load["free_state_slots"] == load["state_slots"]
+
+
+def test_n_200_on_one_request(stack: Stack, expected: dict[str, str]) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
+    started = time.monotonic()
+    reply = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        n=200,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert len(reply.choices) == 200
+    assert {c.text for c in reply.choices} == {expected[PROMPTS[0]]}, "a greedy choice differs from offline"
+    assert time.monotonic() - started < 60, "the burst waited on itself"
+    assert all(_is_idle(load) for load in idle(stack).values())
+
+
+def test_256_concurrent_against_8_slots(stack: Stack, expected: dict[str, str]) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | int]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        try:
+            reply = await client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return prompt, reply.choices[0].text
+        except openai.APIStatusError as e:  # refused with a status is allowed (429/503), never a 500
+            return prompt, e.status_code
+
+    async def run() -> list[tuple[str, str | int]]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120
+        ) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(256)))
+
+    results = asyncio.run(run())
+    refused = [r for _, r in results if isinstance(r, int)]
+    assert all(code in (429, 503) for code in refused), refused
+    served = [(p, text) for p, text in results if isinstance(text, str)]
+    assert len(served) >= 200, f"only {len(served)} of 256 served"
+    wrong = [p for p, text in served if text != expected[p]]
+    assert not wrong, f"{len(wrong)} outputs differ from offline"
+    assert all(_is_idle(load) for load in idle(stack).values())
