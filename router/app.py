@@ -42,7 +42,13 @@ from router.errors import (
 )
 from router.fanout import ClientGone, Fanout, Item, unless_disconnected
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_ids
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    check_token_ids,
+    choice_seed,
+)
 from router.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
 
 log = logging.getLogger("pdserve.router")
@@ -131,7 +137,7 @@ class OpenAIRouter:
                 field = str(e).split(" ", 1)[0]
                 raise OpenAIError(str(e), param=field if field in type(body).model_fields else None) from e
             for j in range(params.n):
-                seed = None if params.seed is None else params.seed + j
+                seed = None if params.seed is None else choice_seed(params.seed, j)
                 req_id = f"{fmt.id}-{len(requests)}"
                 requests.append(GenerateRequest(req_id, ids, replace(params, n=1, seed=seed)))
                 choices.append(Choice(index=len(choices), prompt_tokens=len(ids), prefix=echo))

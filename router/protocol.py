@@ -5,6 +5,12 @@ ignore_eos, min_tokens, stop_token_ids, ...) accept; unknown fields are ignored,
 clients send some (user, logit_bias, ...). Types are checked by pydantic (-> 400 via
 router.errors); values by `SamplingParams` (its ValueError -> 400 with the reason).
 
+Integers: every one a request carries is range-checked here, before anything is encoded (the
+disaggregated backend sends requests as msgpack, which stops at 64 bits): `Int64` at parse time
+(a 400 naming the field), then the semantic range: top_k -1, 0 (off) or at most the vocabulary,
+token ids (prompt, stop_token_ids) in the vocabulary, seed int64 (OpenAI's range; choice j of n
+gets `choice_seed(seed, j)`, wrapped within int64), the counts by SamplingParams.
+
 Strings must be valid Unicode: JSON can smuggle in a lone surrogate ("\\ud800"), which the
 tokenizer and the UTF-8 encoder of every answer choke on, so such a body is a 400. Token ids
 (prompt, stop_token_ids) must lie in the tokenizer's vocabulary (`check_token_ids`).
@@ -28,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdserve.sampling.params import MAX_LOGPROBS, SamplingParams
+from pdserve.sampling.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from router.errors import OpenAIError
 
 _OPTIONAL_SAMPLING = (  # None: SamplingParams' default
@@ -40,6 +46,14 @@ FLOAT32_MIN_NORMAL = 2.0**-126  # the sampler works in float32: a smaller top_p 
 _PASSED_ON = (
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
 )  # fmt: skip
+
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a seeded request: seed + choice, wrapped within int64."""
+    return (seed + choice - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def lone_surrogate_at(data: Any) -> str | None:
@@ -108,21 +122,21 @@ class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None: the served model (vLLM's leniency; OpenAI requires it)
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None  # int64, as OpenAI's
+    seed: Int64 | None = None  # OpenAI's range
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int64 = 0
+    stop_token_ids: list[int] | None = None  # in the vocabulary: check_token_ids
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -162,6 +176,11 @@ class OpenAIRequest(BaseModel):
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         """The request's sampling parameters (n included); raises ValueError on a bad value."""
         check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
+        if self.top_k is not None and self.top_k > vocab_size:
+            raise OpenAIError(
+                f"top_k must be -1 or 0 (off) or in [1, {vocab_size}] (the vocabulary), got {self.top_k}",
+                param="top_k",
+            )
         given = {k: v for k in _OPTIONAL_SAMPLING if (v := getattr(self, k)) is not None}
         if 0 < given.get("top_p", 1) < FLOAT32_MIN_NORMAL:  # what it asks for: the top token only
             given["top_p"] = FLOAT32_MIN_NORMAL
@@ -177,10 +196,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
@@ -211,8 +230,8 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: Prompt
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
 
     def requested_max_tokens(self) -> int | None:

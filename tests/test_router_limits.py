@@ -1,0 +1,166 @@
+"""Validation at the router's edge (issue 6, points 6 and 10): every integer of a request is
+range-checked before it is encoded, so a request's own bad field is a 400 naming it and never
+reaches a backend (`top_k: 2**64` used to overflow msgpack in the router and take a prefill out
+of rotation); stop strings are bounded. The backend here packs each request as the disaggregated
+backend does (msgpack) and rebuilds its SamplingParams as the services do."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from dataclasses import asdict
+from pathlib import Path
+
+import msgpack
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.sampling.params import INT64_MAX, INT64_MIN, SamplingParams
+from pdserve.tokenizer import Tokenizer, load_tokenizer
+from router.app import create_app
+from router.backend import GenerateRequest, TokenEvent
+from tests.router_requests import CHAT, MODEL
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+BASE = {
+    CHAT_PATH: {"model": MODEL, "messages": CHAT, "max_tokens": 2},
+    COMPLETIONS_PATH: {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 2},
+}
+
+
+class WireBackend:
+    """Packs every request like router.disagg (msgpack of the ids and `asdict(params)`), rebuilds
+    the params like the services, then finishes at once; keeps what it was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[GenerateRequest] = []
+
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        self.sent.append(req)
+        wire = msgpack.unpackb(msgpack.packb({"ids": req.prompt_token_ids, "params": asdict(req.params)}))
+        SamplingParams(**wire["params"])
+        yield TokenEvent([7], "x", None, True, "length")
+
+    async def health(self) -> dict:
+        return {}
+
+    def max_model_len(self) -> int:
+        return 128
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+def backend() -> WireBackend:
+    return WireBackend()
+
+
+@pytest.fixture
+def http(tokenizer: Tokenizer, backend: WireBackend) -> TestClient:
+    return TestClient(create_app(backend, tokenizer, MODEL), raise_server_exceptions=False)
+
+
+def refused(http: TestClient, backend: WireBackend, path: str, fields: dict) -> str | None:
+    """Sends BASE[path] with `fields`; asserts a 400 that reached no backend; its error's param."""
+    response = http.post(path, json={**BASE[path], **fields})
+    assert response.status_code == 400, response.text
+    assert backend.sent == []
+    return response.json()["error"]["param"]
+
+
+VOCAB = 248_077  # the tiny model's tokenizer
+HUGE = [
+    ({"top_k": 2**64}, "top_k"),  # found: msgpack "Integer value out of range" in the router
+    ({"top_k": 2**63}, "top_k"),
+    ({"top_k": VOCAB + 1}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"n": 2**64}, "n"),
+    ({"max_tokens": 2**64}, "max_tokens"),
+    ({"min_tokens": 2**64}, "min_tokens"),
+    ({"stop_token_ids": [1, 2**64]}, "stop_token_ids"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"stop": ["x"] * 65}, "stop"),
+    ({"stop": ["x" * 4000, "y" * 97]}, "stop"),
+]
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
+@pytest.mark.parametrize(("fields", "param"), HUGE)
+def test_out_of_range_is_400_naming_the_field(
+    http: TestClient, backend: WireBackend, path: str, fields: dict, param: str
+) -> None:
+    assert refused(http, backend, path, fields) == param
+    assert refused(http, backend, path, {**fields, "stream": True}) == param
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        (CHAT_PATH, {"max_completion_tokens": 2**64}, "max_completion_tokens"),
+        (CHAT_PATH, {"logprobs": True, "top_logprobs": 2**64}, "top_logprobs"),
+        (COMPLETIONS_PATH, {"logprobs": 2**64}, "logprobs"),
+        (COMPLETIONS_PATH, {"prompt": [1, 2**64]}, "prompt"),
+        (COMPLETIONS_PATH, {"prompt": [[1], [-(2**64)]]}, "prompt"),
+    ],
+)
+def test_endpoint_fields_out_of_range(
+    http: TestClient, backend: WireBackend, path: str, fields: dict, param: str
+) -> None:
+    assert refused(http, backend, path, fields) == param
+
+
+def test_the_edges_of_the_ranges_pass(http: TestClient, backend: WireBackend) -> None:
+    """top_k up to the vocabulary; a seed at the top of int64 with n=3: the choices' seeds
+    (seed + j) wrap within int64 instead of overflowing it, and stay distinct."""
+    body = {**BASE[COMPLETIONS_PATH], "top_k": VOCAB, "seed": INT64_MAX, "n": 3}
+    assert http.post(COMPLETIONS_PATH, json=body).status_code == 200
+    seeds = [r.params.seed for r in backend.sent]
+    assert seeds == [INT64_MAX, INT64_MIN, INT64_MIN + 1]
+    assert {r.params.top_k for r in backend.sent} == {VOCAB}
+    body = {**BASE[CHAT_PATH], "seed": INT64_MIN, "top_k": -1, "stop": ["s"] * 64}
+    assert http.post(CHAT_PATH, json=body).status_code == 200
+
+
+INT_FIELDS = {
+    CHAT_PATH: ["n", "top_k", "seed", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs"],
+    COMPLETIONS_PATH: ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"],
+}
+BIG_INTS = st.sampled_from([2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30]).flatmap(
+    lambda v: st.sampled_from([v, -v, v + 1, v - 1])
+)
+INTS = st.integers(-3, 200) | st.integers() | BIG_INTS
+
+
+@settings(
+    max_examples=300, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+@given(data=st.data(), path=st.sampled_from([CHAT_PATH, COMPLETIONS_PATH]))
+def test_huge_ints_anywhere_are_400_or_fit_the_wire(
+    http: TestClient, backend: WireBackend, data: st.DataObject, path: str
+) -> None:
+    """Any integers in every integer field (and in the id lists): either a 400 naming a field the
+    request sent, before any backend saw it, or every generation packs and rebuilds as int64."""
+    backend.sent.clear()
+    names = data.draw(st.lists(st.sampled_from(INT_FIELDS[path]), min_size=1, max_size=4, unique=True))
+    fields = {name: data.draw(INTS, label=name) for name in names}
+    if data.draw(st.booleans()):
+        fields["stop_token_ids"] = data.draw(st.lists(INTS, max_size=3), label="stop_token_ids")
+    if path == COMPLETIONS_PATH and data.draw(st.booleans()):
+        fields["prompt"] = data.draw(st.lists(INTS, min_size=1, max_size=3), label="prompt")
+    if "top_logprobs" in fields:
+        fields["logprobs"] = True
+    response = http.post(path, content=json.dumps({**BASE[path], **fields}))
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert backend.sent == []
+        param = response.json()["error"]["param"]
+        assert param is None or param.split(".")[0] in {*fields, "messages", "prompt"}, (param, fields)
+    else:
+        assert backend.sent and all(-(2**63) <= r.params.seed < 2**63 for r in backend.sent if r.params.seed)
