@@ -5,7 +5,7 @@ pools serves both. It registers as a prefill and as a decode instance (two gRPC 
 `--port` and the port after it), so the router runs the same protocol as with separate
 instances: a burst to the prefill server, then a decode stream. A lease whose agent is this
 engine is decoded in place: its pages and state slot pass from the HELD request to the batch,
-and no bytes move.
+and no bytes move (no NIXL agent either).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(config: ServiceConfig) -> None:
-    host = EngineHost(config)
+    host = EngineHost(config, nixl=False)  # it hands over to itself only
     servers = {
         "prefill": prefill_server(PrefillService(host)),
         "decode": decode_server(DecodeService(host)),

@@ -4,7 +4,8 @@
 both follow `BaseTransferAgent`. `RequestPayload` says where a prefilled request's data lies.
 """
 
-from kvtransfer.agent import TransferAgent
+from typing import Any
+
 from kvtransfer.base import BaseTransferAgent, TransferHandle, TransferState, TransferStats
 from kvtransfer.compat import (
     PROTOCOL_VERSION,
@@ -34,3 +35,13 @@ __all__ = [
     "model_identity",
     "pool_units",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`TransferAgent` is imported on first use: it loads NIXL, which an engine holding both
+    roles (nothing to transfer) does not need."""
+    if name == "TransferAgent":
+        from kvtransfer.agent import TransferAgent
+
+        return TransferAgent
+    raise AttributeError(f"module 'kvtransfer' has no attribute {name!r}")

@@ -197,6 +197,14 @@ class BaseTransferAgent(ABC):
         else:
             self.stats.failed += 1
 
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (and drop the connection to it)."""
+        self.peers.pop(peer, None)
+
+    def close(self) -> None:
+        """Drop every peer and release the agent's resources; unusable afterwards."""
+        self.peers.clear()
+
     # ---- prefill side
     @abstractmethod
     def take_done_notifications(self) -> list[str]:

@@ -16,7 +16,8 @@ import socket
 import time
 from dataclasses import dataclass
 
-from kvtransfer import POOL_UNIT_DIMS, TransferAgent, model_identity
+import kvtransfer
+from kvtransfer import POOL_UNIT_DIMS, BaseTransferAgent, LocalCopyAgent, model_identity
 from pdserve.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
@@ -84,19 +85,22 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
     )
 
 
-def engine_transfer_agent(engine: LLMEngine, name: str, timeout_s: float, bind_host: str) -> TransferAgent:
-    """A NIXL agent with the engine's KV pool and GDN state pools registered, listening only on
-    the interface of `bind_host` (the service's own bind address)."""
+def engine_transfer_agent(
+    engine: LLMEngine, name: str, config: ServiceConfig, nixl: bool
+) -> BaseTransferAgent:
+    """The engine's KV pool and GDN state pools registered with a transfer agent: NIXL, listening
+    only on the interface of the service's bind address; or, for an engine that hands over only
+    to itself, an in-process agent (no NIXL, nothing listens)."""
     runner = engine.runner
     pools = {
         "kv": runner.kv_pool.kv,
         "conv": runner.state_pool.conv,
         "recurrent": runner.state_pool.recurrent,
     }
-    model = model_identity(engine.config.model_config)
-    return TransferAgent(
-        name, pools, POOL_UNIT_DIMS, model, engine.config.page_size, timeout_s=timeout_s, bind_host=bind_host
-    )
+    args = (name, pools, POOL_UNIT_DIMS, model_identity(engine.config.model_config), engine.config.page_size)
+    if not nixl:
+        return LocalCopyAgent(*args)
+    return kvtransfer.TransferAgent(*args, timeout_s=config.transfer_timeout_s, bind_host=config.host)
 
 
 def load_report(engine: LLMEngine) -> dict:
@@ -150,16 +154,17 @@ class ServiceRole:
 
 
 class EngineHost:
-    """An engine, its pools registered with a NIXL agent, and the engine thread. The agent's
+    """An engine, its pools registered with a transfer agent (NIXL unless `nixl=False`: an
+    engine that holds both roles hands over to itself only), and the engine thread. The agent's
     name is the instance id plus an incarnation, so a restarted instance is a new peer."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, nixl: bool = True) -> None:
         self.config = config
         self.engine = LLMEngine(config.engine)
         self.engine.scheduler.lease_ttl_s = config.handoff_timeout_s
         self.incarnation = secrets.token_hex(4)
         agent_name = f"{config.instance_id}#{self.incarnation}"
-        self.agent = engine_transfer_agent(self.engine, agent_name, config.transfer_timeout_s, config.host)
+        self.agent = engine_transfer_agent(self.engine, agent_name, config, nixl)
         self.registry = InstanceRegistry(config.redis_url) if config.redis_url else None
         self.roles: list[ServiceRole] = []
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -30,7 +30,7 @@ def test_colocated_equals_offline(tiny_model_dir) -> None:
 
     async def scenario() -> list[list[int]]:
         engine = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256)
-        host = EngineHost(ServiceConfig(engine=engine, instance_id="both"))
+        host = EngineHost(ServiceConfig(engine=engine, instance_id="both"), nixl=False)
         prefill, decode = PrefillService(host), DecodeService(host)
         host.start()
         try:
