@@ -58,8 +58,8 @@ def chat(url: str) -> str:
     return reply.choices[0].finish_reason
 
 
-def test_a_killed_decode_child_is_restarted_and_serves_again(tmp_path) -> None:
-    up = UpProcess(tmp_path).start()
+def test_a_killed_decode_child_is_restarted_and_serves_again(tmp_path, tiny_model_dir) -> None:
+    up = UpProcess(tmp_path, model=tiny_model_dir).start()
     try:
         assert chat(up.url) in ("stop", "length")
         old = up.children()["decode-0"]
@@ -82,8 +82,8 @@ def test_a_killed_decode_child_is_restarted_and_serves_again(tmp_path) -> None:
         assert up.stop() == 0, up.output()
 
 
-def test_sigkill_of_pdserve_up_leaves_no_child_alive(tmp_path) -> None:
-    up = UpProcess(tmp_path).start()
+def test_sigkill_of_pdserve_up_leaves_no_child_alive(tmp_path, tiny_model_dir) -> None:
+    up = UpProcess(tmp_path, model=tiny_model_dir).start()
     children = up.children()
     assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
     below = descendants(up.proc.pid)
@@ -95,10 +95,10 @@ def test_sigkill_of_pdserve_up_leaves_no_child_alive(tmp_path) -> None:
     assert not alive, {pid: cmdline(pid) for pid in alive}
 
 
-def test_no_secret_or_password_is_on_any_command_line(tmp_path) -> None:
+def test_no_secret_or_password_is_on_any_command_line(tmp_path, tiny_model_dir) -> None:
     key_file = tmp_path / "api-key"
     key_file.write_text("s3cret-api-key\n")
-    up = UpProcess(tmp_path, "--api-key-file", str(key_file)).start()
+    up = UpProcess(tmp_path, "--api-key-file", str(key_file), model=tiny_model_dir).start()
     try:
         children = up.children()
         assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
@@ -121,8 +121,8 @@ def test_no_secret_or_password_is_on_any_command_line(tmp_path) -> None:
     assert not os.path.exists(secret_file)
 
 
-def test_ctrl_c_stops_the_router_first_and_redis_last(tmp_path) -> None:
-    up = UpProcess(tmp_path).start()
+def test_ctrl_c_stops_the_router_first_and_redis_last(tmp_path, tiny_model_dir) -> None:
+    up = UpProcess(tmp_path, model=tiny_model_dir).start()
     children = up.children()
     assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
     os.killpg(up.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does

@@ -49,13 +49,16 @@ def environ(pid: int) -> dict[str, str]:
 
 
 class UpProcess:
-    """`pdserve up --device cpu --port P ARGS...` with the tiny model; `start()` waits until it
-    prints its URL. Its output lines are in `lines` (a reader thread keeps gathering them)."""
+    """`pdserve up --device cpu --port P ARGS...` with `model` (default: the embedded tiny
+    model, made in `tmp_path`); `start()` waits until it prints its URL. Its output lines are in
+    `lines` (a reader thread keeps gathering them)."""
 
-    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tmp_path: Path, *args: str, model: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.argv = [sys.executable, "-m", "pdserve.cli", "up", "--device", "cpu", "--port", str(self.port)]
-        self.argv += list(args)
+        self.argv += (["--model", str(model)] if model else []) + list(args)
         self.env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), **(env or {})}
         self.lines: list[str] = []
         self.url = ""
@@ -70,7 +73,8 @@ class UpProcess:
             text=True,
             start_new_session=True,  # its own process group, as a shell gives a job
         )
-        threading.Thread(target=self._gather, daemon=True).start()
+        self._reader = threading.Thread(target=self._gather, daemon=True)
+        self._reader.start()
         found = self.wait_for(r"pdserve is up: (\S+)/v1", timeout)
         self.url = found.group(1)
         return self
@@ -81,6 +85,8 @@ class UpProcess:
             self.lines.append(line)
 
     def output(self, last: int = 60) -> str:
+        if self.proc is not None and self.proc.poll() is not None:
+            self._reader.join(5.0)  # the rest of its output
         return "".join(self.lines[-last:])
 
     def wait_for(self, pattern: str, timeout: float, after: int = 0) -> re.Match:
@@ -93,7 +99,7 @@ class UpProcess:
                 if found:
                     return found
                 seen += 1
-            if self.proc.poll() is not None and seen >= len(self.lines):
+            if self.proc.poll() is not None and not self._reader.is_alive() and seen >= len(self.lines):
                 raise AssertionError(
                     f"pdserve up exited ({self.proc.returncode}) before {pattern!r}:\n{self.output()}"
                 )
