@@ -1,9 +1,25 @@
-"""A real disaggregated stack on loopback for end-to-end tests: redis-server, prefill and decode
-processes (`python -m pdserve.cli ...`), and a router; logs go to files under `workdir`."""
+"""A real disaggregated stack on loopback for end-to-end tests: redis-server (with a password),
+prefill and decode processes (`python -m pdserve.cli ...`), and a router; logs go to files
+under `workdir`.
+
+    stack = Stack(model_dir, workdir, num_prefill=1, num_decode=2,
+                  extra_flags={"decode": ["--max-num-seqs", "4"]}).start()
+    stack.kill("decode-1")      # SIGKILL, as a crash
+    stack.restart("decode-1")   # start it again under the same instance id (same flags)
+    stack.log("decode-1")       # its output, every incarnation
+    stack.stop()
+
+Like `pdserve up`, it closes the internal plane: a generated internal secret in a 0600 file
+and a random Redis password, handed to every process in its environment (never on a command
+line). While it runs, this test process has them too (`os.environ`, restored by `stop`), so
+in-process clients (`InstanceRegistry(stack.redis.url)`, `RpcClient`) reach the stack as its
+processes do; `stack.env` holds them for anything else. Children die with the test process.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,76 +30,102 @@ import httpx
 
 from pdserve.registry import RedisServer
 from pdserve.rpc import free_port
+from pdserve.supervisor import die_with_parent_wrapper, popen_options
+
+ROLES = ("prefill", "decode", "router")
+ENGINE = ["--max-model-len", "512", "--dtype", "float32", "--max-num-seqs", "48"]
 
 
 class Stack:
-    def __init__(self, model_dir: Path, workdir: Path, num_prefill: int = 1, num_decode: int = 2) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        workdir: Path,
+        num_prefill: int = 1,
+        num_decode: int = 2,
+        extra_flags: dict[str, list[str]] | None = None,
+    ) -> None:
+        """`extra_flags`: more flags per role ("prefill", "decode", "router"), after the defaults
+        (a flag given again wins)."""
+        unknown = set(extra_flags or {}) - set(ROLES)
+        if unknown:
+            raise ValueError(f"extra_flags roles must be among {ROLES}, got {sorted(unknown)}")
         self.model_dir = str(model_dir)
         self.workdir = workdir
         self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.extra_flags = extra_flags or {}
         self.redis: RedisServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}  # each process's pdserve arguments, for restart
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.env = self._make_secrets()
+        self._saved_env: dict[str, str | None] = {}
+
+    def _make_secrets(self) -> dict[str, str]:
+        secret_file = self.workdir / "internal-secret"
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+        return {
+            "PDSERVE_INTERNAL_SECRET_FILE": str(secret_file),
+            "PDSERVE_REDIS_PASSWORD": secrets.token_hex(32),
+        }
 
     def _spawn(self, name: str, *args: str) -> None:
-        log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.argv[name] = list(args)
+        log = open(self.workdir / f"{name}.log", "a")  # noqa: SIM115 - closed with the process
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, **popen_options()
+        )
+        log.close()  # the child has its own copy
 
-    def start(self, timeout: float = 180.0) -> Stack:
-        self.redis = RedisServer().start()
-        engine = [
-            "--model",
-            self.model_dir,
-            "--max-model-len",
-            "512",
-            "--dtype",
-            "float32",
-            "--max-num-seqs",
-            "48",
-        ]
-        for i in range(self.num_prefill):
-            self._spawn(
-                f"prefill-{i}",
-                "prefill",
-                *engine,
-                "--instance-id",
-                f"prefill-{i}",
-                "--enable-prefix-caching",
-                "--port",
-                "0",
-                "--redis-url",
-                self.redis.url,
-            )
-        for i in range(self.num_decode):
-            self._spawn(
-                f"decode-{i}",
-                "decode",
-                *engine,
-                "--instance-id",
-                f"decode-{i}",
-                "--port",
-                "0",
-                "--redis-url",
-                self.redis.url,
-            )
+    def _service(self, role: str, name: str) -> None:
+        flags = ["--enable-prefix-caching"] if role == "prefill" else []
+        assert self.redis is not None
         self._spawn(
-            "router",
-            "router",
+            name,
+            role,
             "--model",
             self.model_dir,
-            "--served-model-name",
-            "tiny",
+            *ENGINE,
+            *flags,
+            "--instance-id",
+            name,
             "--port",
-            str(self.port),
+            "0",
             "--redis-url",
             self.redis.url,
-            "--max-model-len",
-            "512",
+            *self.extra_flags.get(role, []),
         )
+
+    def start(self, timeout: float = 180.0) -> Stack:
+        self._saved_env = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
         try:
+            binary = die_with_parent_wrapper("redis-server", self.workdir)
+            self.redis = RedisServer(binary=binary, password=self.env["PDSERVE_REDIS_PASSWORD"]).start()
+            for i in range(self.num_prefill):
+                self._service("prefill", f"prefill-{i}")
+            for i in range(self.num_decode):
+                self._service("decode", f"decode-{i}")
+            self._spawn(
+                "router",
+                "router",
+                "--model",
+                self.model_dir,
+                "--served-model-name",
+                "tiny",
+                "--port",
+                str(self.port),
+                "--redis-url",
+                self.redis.url,
+                "--max-model-len",
+                "512",
+                *self.extra_flags.get("router", []),
+            )
             self.wait_healthy(timeout)
         except BaseException:
             self.stop()  # a failed start leaves no process behind
@@ -91,6 +133,7 @@ class Stack:
         return self
 
     def wait_healthy(self, timeout: float) -> dict:
+        """Wait until the router counts every prefill and decode instance live; its /health."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
@@ -112,6 +155,12 @@ class Stack:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait()
 
+    def restart(self, name: str) -> None:
+        """Start a killed (or exited) process again, under the same instance id and flags."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running: kill it first")
+        self._spawn(name, *self.argv[name])
+
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -121,5 +170,12 @@ class Stack:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         if self.redis is not None:
             self.redis.stop()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
