@@ -69,7 +69,10 @@ class DecodeService(ServiceRole):
         if rid in self.streams:  # a second stream must not take over (or cancel) the first
             raise ValueError(f"request id {rid!r} is already streaming here")
         local = start.lease.agent == self.agent.name
-        peer = None if local else await self.peers.connect(start.lease.agent)
+        try:
+            peer = None if local else await self.peers.connect(start.lease.agent)
+        except (LookupError, RpcError) as e:
+            raise RpcError("ABORTED", f"cannot reach the holder of the state of {rid}: {e}") from None
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         finished = False
@@ -77,8 +80,8 @@ class DecodeService(ServiceRole):
             await self.thread.call(self._admit, start, peer)
             while not finished:
                 event = await queue.get()
-                if "error" in event:
-                    raise RuntimeError(event["error"])
+                if "error" in event:  # ABORTED: the state never arrived (the router may retry)
+                    raise RpcError(event.get("code", "INTERNAL"), event["error"])
                 finished = event["finished"]
                 yield event
         finally:
@@ -91,7 +94,7 @@ class DecodeService(ServiceRole):
         rid = start.request_id
         if peer is None:  # held by this engine: decode it in place, nothing moves
             if not self.engine.resume_held(rid, start.lease.lease_id):
-                raise LookupError(f"the lease of {rid} is no longer held here")
+                raise RpcError("ABORTED", f"the lease of {rid} is no longer held here")
             self._post(rid, DecodeEvent(transfer={"bytes": 0, "seconds": 0.0}).to_wire())
             return
         seq = self.engine.make_sequence(start.prompt_token_ids, SamplingParams(**start.params), rid)
@@ -127,7 +130,9 @@ class DecodeService(ServiceRole):
         lease = inc.start.lease
         if not self.engine.reserve_transfer(inc.seq, len(lease.kv_pages)):
             if time.monotonic() - inc.arrived > self.config.admission_timeout_s:
-                self._fail(rid, f"no memory for {rid} on {self.config.instance_id} in time")
+                self._fail(
+                    rid, f"no memory for {rid} on {self.config.instance_id} in time", "RESOURCE_EXHAUSTED"
+                )
                 return True
             return False
         try:
@@ -164,10 +169,11 @@ class DecodeService(ServiceRole):
         transfer = {"bytes": inc.handle.nbytes, "seconds": inc.handle.seconds}
         self._post(rid, DecodeEvent(transfer=transfer).to_wire())
 
-    def _fail(self, rid: str, message: str) -> None:
+    def _fail(self, rid: str, message: str, code: str = "ABORTED") -> None:
+        """End a request whose state did not arrive (ABORTED) or found no memory."""
         self.incoming.pop(rid, None)
         self.engine.abort(rid)
-        self._post(rid, {"error": message})
+        self._post(rid, {"error": message, "code": code})
 
     def _cancel(self, rid: str) -> None:
         inc = self.incoming.pop(rid, None)

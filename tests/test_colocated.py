@@ -14,6 +14,7 @@ from decode_svc.service import DecodeService
 from pdserve import LLM
 from pdserve.config import EngineConfig
 from pdserve.messages import DecodeStart, Lease
+from pdserve.rpc import RpcError
 from pdserve.sampling.params import SamplingParams
 from pdserve.serving import EngineHost, ServiceConfig
 from prefill_svc.service import PrefillService
@@ -55,7 +56,7 @@ def test_colocated_equals_offline(tiny_model_dir) -> None:
 
             got = await asyncio.gather(*(finish(i) for i in range(len(prompts))))
             gone = DecodeStart("r0", prompts[0], asdict(params), 1, Lease(**firsts["r0"]["lease"]))
-            with pytest.raises(LookupError, match="no longer held"):
+            with pytest.raises(RpcError, match="no longer held"):
                 async for _ in decode.decode(gone.to_wire()):
                     pass
             assert_no_leaks(host.engine)

@@ -38,10 +38,10 @@ async def warm_cache_of(stack: Stack, instance_id: str, prompt: list[int]) -> No
             "prompt_token_ids": prompt,
             "params": asdict(SamplingParams(max_tokens=2)),
         }
-        (result,) = (await client.unary("prefill", {"requests": [request]}, timeout=60))["results"]
-        await client.unary("release", {"request_id": "warm-up"})
+        (result,) = [r async for r in client.stream("prefill", {"requests": [request]}, timeout=60)]
+        assert result["lease"] is not None
+        await client.unary("release", {"request_id": "warm-up", "lease_id": result["lease"]["lease_id"]})
         await client.close()
-        assert result["payload"] is not None
         extra = instance.extra
         keys = prefix_block_keys(prompt[:-1], extra["prefix_block_size"], extra["prefix_salt"])
         deadline = time.monotonic() + 10
