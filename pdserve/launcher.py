@@ -109,8 +109,8 @@ class Stack:
             self.redis_url, password = split_redis_password(redis_url)
         else:
             password = secrets.token_hex(32)
-            binary = die_with_parent_wrapper("redis-server", self.folder)
             try:
+                binary = die_with_parent_wrapper("redis-server", self.folder)
                 self.redis = RedisServer(binary=binary, password=password).start()
             except RuntimeError as e:
                 raise StartupError(str(e)) from e

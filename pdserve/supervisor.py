@@ -67,8 +67,10 @@ os.execv({binary!r}, [{binary!r}, *sys.argv[1:]])
 def die_with_parent_wrapper(binary: str, folder: Path) -> str:
     """An executable in `folder` that runs `binary` (its arguments passed on) in a process group
     of its own, killed when the process that started it ends. The caller must start it from
-    this process (the wrapper checks its parent's pid)."""
-    target = shutil.which(binary) or binary
+    this process (the wrapper checks its parent's pid). RuntimeError when `binary` is not found."""
+    target = shutil.which(binary)
+    if target is None:
+        raise RuntimeError(f"{binary} not found on the PATH")
     path = folder / f"{Path(binary).name}-die-with-parent"
     path.write_text(
         _WRAPPER.format(
