@@ -26,18 +26,23 @@ def _config_string(text: str) -> str:
 
 class RedisServer:
     """with RedisServer(password="...") as server:
-        registry = InstanceRegistry(server.url, password=server.password)
+    registry = InstanceRegistry(server.url, password=server.password)
     """
 
     def __init__(
-        self, binary: str = "redis-server", host: str = "127.0.0.1", password: str | None = None
+        self,
+        binary: str = "redis-server",
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        port: int = 0,
     ) -> None:
         if password is not None and not password:
             raise ValueError("password must not be empty (None: no password)")
         self.binary = binary
         self.host = host
         self.password = password
-        self.port = 0
+        self.port = port  # 0: a free one at each start
+        self._fixed_port = port
         self._proc: subprocess.Popen | None = None
         self._dir: Path | None = None
 
@@ -57,7 +62,7 @@ class RedisServer:
         self._dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
         config = "" if self.password is None else f"requirepass {_config_string(self.password)}\n"
         for _attempt in range(3):  # the free port can be taken before redis binds it: retry
-            self.port = free_port(self.host)
+            self.port = self._fixed_port or free_port(self.host)
             args = ["--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
             with open(self._dir / "redis.log", "wb") as out:
                 self._proc = subprocess.Popen(
@@ -100,6 +105,12 @@ class RedisServer:
         self._proc.kill()
         self._proc.wait()
         return False
+
+    def restart(self, timeout: float = 10.0) -> RedisServer:
+        """Stop and start again on the same port, empty (a Redis outage, for tests)."""
+        self._fixed_port = self.port
+        self.stop()
+        return self.start(timeout)
 
     def stop(self, grace: float = 5.0) -> None:
         """Terminate the server (kill it after `grace` seconds) and remove its folder."""
