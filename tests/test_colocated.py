@@ -23,14 +23,19 @@ from tests.helpers import assert_no_leaks, random_prompts
 MAX_TOKENS = 16
 
 
-def test_colocated_equals_offline(tiny_model_dir) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_colocated_equals_offline(tiny_model_dir, device: str) -> None:
+    """On the GPU: against the offline engine on the same GPU (CUDA graphs, the same kernels)."""
     prompts = random_prompts((5, 33, 80), seed=3, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256)
+    sizes = {"num_kv_pages": 256} if device == "cuda" else {}  # not 90% of the GPU for a tiny model
+    offline = LLM(str(tiny_model_dir), device=device, dtype="float32", max_model_len=256, **sizes)
     expected = [out.token_ids for out in offline.generate(prompts, params)]
 
     async def scenario() -> list[list[int]]:
-        engine = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256)
+        engine = EngineConfig(
+            model=str(tiny_model_dir), device=device, dtype="float32", max_model_len=256, **sizes
+        )
         host = EngineHost(ServiceConfig(engine=engine, instance_id="both"), nixl=False)
         prefill, decode = PrefillService(host), DecodeService(host)
         host.start()

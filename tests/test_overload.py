@@ -13,25 +13,20 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.registry import InstanceRegistry
 from tests.stack import Stack
 
 MAX_TOKENS = 12
 PROMPTS = [f"Request number {i} asks about {w}" for i, w in enumerate(["GPUs", "tea", "rivers", "owls"] * 4)]
 
 
-class SmallStack(Stack):
-    """The test stack with 8 sequences an instance instead of 48."""
-
-    def _spawn(self, name: str, *args: str) -> None:
-        args = list(args)
-        if "--max-num-seqs" in args:
-            args[args.index("--max-num-seqs") + 1] = "8"
-        super()._spawn(name, *args)
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
-    s = SmallStack(tiny_model_dir, tmp_path_factory.mktemp("overload"), num_prefill=1, num_decode=1).start()
+    flags = {role: ["--max-num-seqs", "8"] for role in ("prefill", "decode")}
+    s = Stack(
+        tiny_model_dir, tmp_path_factory.mktemp("overload"), num_prefill=1, num_decode=1, extra_flags=flags
+    )
+    s.start()
     yield s
     s.stop()
 
@@ -54,10 +49,8 @@ def idle(stack: Stack, timeout: float = 10.0) -> dict:
 
 
 def _loads(stack: Stack) -> dict:
-    from pdserve.registry import InstanceRegistry
-
     async def read() -> dict:
-        async with InstanceRegistry(stack.redis.url) as registry:
+        async with InstanceRegistry(stack.redis.url, password=stack.redis.password) as registry:
             found = {}
             for role in ("prefill", "decode"):
                 for info in await registry.instances(role):
