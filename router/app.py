@@ -2,8 +2,10 @@
 
 Request lifecycle (chat and completions alike):
   1. parse    FastAPI + the pydantic models of router.protocol; bad JSON or types -> 400
-  2. check    model name (404 model_not_found), prompt -> token ids (chat template, encode),
-              length against max_model_len and max_tokens, SamplingParams (ValueError -> 400)
+  2. check    model name (404 model_not_found), prompt -> token ids (chat template; a text too
+              long to fit max_model_len whatever its tokens is a 400 before it is tokenized;
+              encode), length against max_model_len and max_tokens, SamplingParams (ValueError
+              -> 400)
   3. fan out  one GenerateRequest per choice (prompt p, copy j: id "<response id>-<k>", seed + j),
               each pumped by a task into one merged queue (`router.fanout.Fanout`), followed by
               RouterMetrics
@@ -42,6 +44,7 @@ from router.errors import (
 )
 from router.fanout import ClientGone, Fanout, Item, unless_disconnected
 from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.prompt_chars import max_chars_per_token
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,16 +72,26 @@ class OpenAIRouter:
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics
+        self.chars_per_token = None if tokenizer is None else max_chars_per_token(tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
             message = f"The model `{model}` does not exist (this server serves `{self.model}`)."
             raise OpenAIError(message, 404, param="model", code="model_not_found")
 
-    async def encode(self, text: str) -> list[int]:
-        """Tokenize off the event loop: a long prompt must not stall every other stream."""
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Tokenize off the event loop (a long prompt must not stall every other stream), unless
+        the text is too long to fit whatever its tokens: a 400 for `param` at once."""
         if len(text) < ENCODE_INLINE_CHARS:
             return self.tokenizer.encode(text)
+        max_model_len = self.backend.max_model_len()
+        if self.chars_per_token is not None and len(text) > max_model_len * self.chars_per_token:
+            raise OpenAIError(
+                f"This model's maximum context length is {max_model_len} tokens, and a token covers at "
+                f"most {self.chars_per_token} characters: a prompt of {len(text)} characters cannot fit. "
+                "Please reduce the length of the prompt.",
+                param=param,
+            )
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -96,7 +109,7 @@ class OpenAIRouter:
             # bad roles or content, kwargs the template cannot use (a number where it loops), a refusal
             raise OpenAIError(f"{e}", param="messages") from e
         fmt = ChatFormat(self.model, self.tokenizer, body.n, body.include_usage)
-        return await self.serve(request, body, fmt, [(await self.encode(text), "")], arrival)
+        return await self.serve(request, body, fmt, [(await self.encode(text, "messages"), "")], arrival)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -108,7 +121,7 @@ class OpenAIRouter:
             raise OpenAIError("prompt must not be empty", param="prompt")
         prompts = []
         for item in prompt:
-            ids = await self.encode(item) if isinstance(item, str) else list(item)
+            ids = await self.encode(item, "prompt") if isinstance(item, str) else list(item)
             if not ids:
                 raise OpenAIError("prompt must not be empty", param="prompt")
             check_token_ids(ids, self.tokenizer.vocab_size, "prompt")

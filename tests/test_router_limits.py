@@ -1,12 +1,14 @@
 """Validation at the router's edge (issue 6, points 6 and 10): every integer of a request is
 range-checked before it is encoded, so a request's own bad field is a 400 naming it and never
 reaches a backend (`top_k: 2**64` used to overflow msgpack in the router and take a prefill out
-of rotation); stop strings are bounded. The backend here packs each request as the disaggregated
-backend does (msgpack) and rebuilds its SamplingParams as the services do."""
+of rotation); stop strings are bounded; a prompt too long to fit is refused by its length before
+it is tokenized. The backend here packs each request as the disaggregated backend does (msgpack)
+and rebuilds its SamplingParams as the services do."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +23,7 @@ from pdserve.sampling.params import INT64_MAX, INT64_MIN, SamplingParams
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from router.app import create_app
 from router.backend import GenerateRequest, TokenEvent
+from router.prompt_chars import max_chars_per_token
 from tests.router_requests import CHAT, MODEL
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
@@ -164,3 +167,45 @@ def test_huge_ints_anywhere_are_400_or_fit_the_wire(
         assert param is None or param.split(".")[0] in {*fields, "messages", "prompt"}, (param, fields)
     else:
         assert backend.sent and all(-(2**63) <= r.params.seed < 2**63 for r in backend.sent if r.params.seed)
+
+
+# ---- prompts too long to fit, refused by their length before they are tokenized
+@pytest.fixture
+def spied(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths of the texts the router tokenizes."""
+    lengths: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text: lengths.append(len(text)) or encode(text))
+    return lengths
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
+def test_a_30_mb_prompt_is_refused_by_its_length_at_once(
+    http: TestClient, backend: WireBackend, spied: list[int], path: str
+) -> None:
+    """max_model_len 128 x 512 characters a token at most (128 for the longest token, x4 for NFC):
+    a longer text cannot fit. 30 MB used to be tokenized first (~20 s of CPU) to learn that."""
+    text = "All work and no play makes Jack a dull boy. " * 700_000
+    body = {"prompt": text} if path == COMPLETIONS_PATH else {"messages": [{"role": "user", "content": text}]}
+    start = time.monotonic()
+    param = refused(http, backend, path, body)
+    assert param == ("prompt" if path == COMPLETIONS_PATH else "messages")
+    assert time.monotonic() - start < 5 and max(spied, default=0) < 10_000
+    assert refused(http, backend, path, {**body, "stream": True}) == param
+    over = {"prompt": ["ok", "x" * (128 * 512 + 1)]} if path == COMPLETIONS_PATH else body
+    assert refused(http, backend, path, over) == param and max(spied, default=0) < 10_000
+
+
+TEXTS = st.text(st.sampled_from(" \n\tab-=é\u0301\u1100\u1161\u11a8ᾳ\u0313\u0342\u0345😀<|>imstar_endoftx"))
+TEXTS |= st.builds(lambda c, n: c * n, st.sampled_from([" ", "-", "=", "\n", "0", "ab"]), st.integers(1, 600))
+TEXTS |= st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "user", "\n"])).map("".join)
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
+@given(text=TEXTS)
+def test_the_bound_never_refuses_a_prompt_that_fits(tokenizer: Tokenizer, text: str) -> None:
+    """No text has more characters than its tokens times `max_chars_per_token`: long runs of one
+    character, special tokens, and NFC compositions (Hangul jamo, Greek with 3 marks: 4 code
+    points to 1)."""
+    assert len(text) <= max(1, len(tokenizer.encode(text))) * max_chars_per_token(tokenizer)
+    assert max_chars_per_token(tokenizer) == 128 * 4

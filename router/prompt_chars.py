@@ -1,0 +1,61 @@
+"""The most characters of prompt text one token can stand for, read once from the tokenizer, so
+that a prompt that cannot fit `max_model_len` tokens is refused by its length alone, before the
+work (and, for tens of megabytes, the seconds) of tokenizing it.
+
+A BPE token covers at most as many input characters as its vocabulary entry has (byte-level
+entries have one character a byte, and a character is at least one byte). The normalizer may
+compose characters first: NFC and NFKC turn at most 4 code points into one (the longest canonical
+decomposition), hence `NORMALIZER_FACTOR`. A tokenizer that can drop input characters (another
+normalizer, a pre-tokenizer that removes what it splits on, whitespace splitting, an unknown
+token that swallows a run of characters) has no such bound: `max_chars_per_token` is then None
+and every prompt is tokenized.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from tokenizers.models import BPE
+
+from pdserve.tokenizer import Tokenizer
+
+NORMALIZER_FACTOR = 4
+KEEPS_CHARACTERS = {  # component type -> a check of its settings; everything else may drop some
+    "NFC": None, "NFD": None, "NFKC": None, "NFKD": None, "Sequence": None, "Prepend": None,
+    "ByteLevel": None, "Metaspace": None, "Digits": None, "UnicodeScripts": None,
+    "Split": lambda c: str(c.get("behavior", "")).lower() != "removed",
+    "Punctuation": lambda c: str(c.get("behavior", "")).lower() != "removed",
+}  # fmt: skip
+
+
+def _keeps_characters(component: Any) -> bool:
+    if component is None:
+        return True
+    if isinstance(component, list):
+        return all(map(_keeps_characters, component))
+    kind = component.get("type")
+    if kind not in KEEPS_CHARACTERS:
+        return False
+    check = KEEPS_CHARACTERS[kind]
+    return (check is None or check(component)) and all(
+        _keeps_characters(component[key]) for key in ("normalizers", "pretokenizers") if key in component
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
+    """An upper bound on the prompt characters one token covers, or None when there is none."""
+    backend = tokenizer.backend
+    model = backend.model
+    if not isinstance(model, BPE) or (model.unk_token and model.fuse_unk):
+        return None
+    parts = [
+        None if part is None else json.loads(part.__getstate__())
+        for part in (backend.normalizer, backend.pre_tokenizer)
+    ]
+    if not all(map(_keeps_characters, parts)):
+        return None
+    longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
+    return longest * (NORMALIZER_FACTOR if parts[0] is not None else 1)
