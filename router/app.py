@@ -1,28 +1,34 @@
-"""The router's OpenAI app: `create_app(backend, tokenizer, served_model_name, metrics)`.
+"""The router's OpenAI app: `create_app(backend, tokenizer, served_model_name, metrics, admission)`.
 
 Request lifecycle (chat and completions alike):
-  1. parse    FastAPI + the pydantic models of router.protocol; bad JSON or types -> 400
+  0. gate     router.gate, before the body is read: 413 body too large (chunked too), 401 API key,
+              429 the key's concurrency limit
+  1. parse    FastAPI + the pydantic models of router.protocol; bad JSON, types, ranges -> 400
   2. check    model name (404 model_not_found), prompt -> token ids (chat template; a text too
               long to fit max_model_len whatever its tokens is a 400 before it is tokenized;
               encode), length against max_model_len and max_tokens, SamplingParams (ValueError
               -> 400)
-  3. fan out  one GenerateRequest per choice (prompt p, copy j: id "<response id>-<k>", seed + j),
+  3. admit    router.admission: the request's generations join the queue of those waiting for a
+              first token, or 503 + Retry-After when it is full
+  4. fan out  one GenerateRequest per choice (prompt p, copy j: id "<response id>-<k>", seed + j),
               each pumped by a task into one merged queue (`router.fanout.Fanout`), followed by
               RouterMetrics
-  4. first    wait for the first event of any choice (or for the client to leave): a
-              BackendError now is a JSON error with the backend's status (400/500/503)
-  5. answer   stream=false: collect until every choice finished -> one JSON body
+  5. first    wait for the first event of any choice (or for the client to leave, or the queue
+              timeout: 503 + Retry-After): a BackendError now is a JSON error with the backend's
+              status (400/500/503)
+  6. answer   stream=false: collect until every choice finished -> one JSON body
               stream=true: SSE chunks (chat: a role chunk per choice, then deltas; each choice's
               last chunk has its finish_reason), a usage chunk with include_usage, `data: [DONE]`;
-              a BackendError mid-stream -> `data: {"error": {...}}`, then [DONE]
-  6. cleanup  however it ends (done, error, client gone), `Fanout.close()` cancels the pumps;
-              a backend generator closed early aborts its request and frees its memory
+              a BackendError (or the queue timeout of a choice not started yet) mid-stream ->
+              `data: {"error": {...}}`, then [DONE]
+  7. cleanup  however it ends (done, error, timeout, client gone), `Fanout.close()` cancels the
+              pumps (a backend generator closed early aborts its request and frees its memory) and
+              the request leaves the queue
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,19 +36,22 @@ from dataclasses import replace
 
 import jinja2
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pdserve.tokenizer import Tokenizer
+from router.admission import Admission, AdmissionConfig, QueueTimeout, Ticket
 from router.backend import Backend, GenerateRequest
 from router.errors import (
+    GENERATION_ERRORS,
     BackendError,
     OpenAIError,
-    RequestGate,
     error_body,
     error_response,
     install_error_handlers,
+    install_openapi_schema,
 )
 from router.fanout import ClientGone, Fanout, Item, unless_disconnected
+from router.gate import RequestGate
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.prompt_chars import max_chars_per_token
 from router.protocol import (
@@ -52,26 +61,31 @@ from router.protocol import (
     check_token_ids,
     choice_seed,
 )
-from router.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
+from router.responses import (
+    ChatFormat,
+    Choice,
+    ClosingStreamingResponse,
+    CompletionFormat,
+    ResponseFormat,
+    sse,
+)
 
 log = logging.getLogger("pdserve.router")
 MAX_CHOICES = 128  # prompts x n of one request: a typo'd n must not queue millions of generations
 ENCODE_INLINE_CHARS = 20_000  # longer texts are tokenized on a worker thread
 
 
-def _sse(data: dict | str) -> str:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n"
-
-
 class OpenAIRouter:
     """The handlers behind the routes: turn requests into backend generations and answers."""
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, model: str, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, backend: Backend, tokenizer: Tokenizer, model: str, metrics: RouterMetrics, admission: Admission
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics
+        self.admission = admission
         self.chars_per_token = None if tokenizer is None else max_chars_per_token(tokenizer)
 
     def check_model(self, model: str | None) -> None:
@@ -138,7 +152,7 @@ class OpenAIRouter:
         prompts: list[tuple[list[int], str]],
         arrival: float,
     ) -> Response:
-        """Steps 2 (limits, params) to 6 of the lifecycle for `prompts` as (token ids, echo text)."""
+        """Steps 2 (limits, params) to 7 of the lifecycle for `prompts` as (token ids, echo text)."""
         if body.n * len(prompts) > MAX_CHOICES:
             raise OpenAIError(f"n x prompts must be at most {MAX_CHOICES}", param="n")
         max_model_len, vocab_size = self.backend.max_model_len(), self.tokenizer.vocab_size
@@ -154,26 +168,31 @@ class OpenAIRouter:
                 req_id = f"{fmt.id}-{len(requests)}"
                 requests.append(GenerateRequest(req_id, ids, replace(params, n=1, seed=seed)))
                 choices.append(Choice(index=len(choices), prompt_tokens=len(ids), prefix=echo))
+        ticket = self.admission.admit(len(requests), arrival)
         fanout = Fanout(self.backend, requests, self.metrics, arrival)
         try:
-            first = await unless_disconnected(request, fanout.next())
+            first = await unless_disconnected(request, ticket.next(fanout))
             if isinstance(first[1], BackendError):
                 raise first[1]
             if body.stream:
-                stream = self._stream(fmt, fanout, choices, first)
-                fanout = None  # the stream owns it now
-                return StreamingResponse(stream, media_type="text/event-stream")
+                stream = self._stream(fmt, fanout, ticket, choices, first)
+                closing = (fanout.close, ticket.close)
+                fanout = None  # the stream owns it (and the ticket) now
+                return ClosingStreamingResponse(stream, closing)
             return JSONResponse(
-                await unless_disconnected(request, self._collect(fmt, fanout, choices, first))
+                await unless_disconnected(request, self._collect(fmt, fanout, ticket, choices, first))
             )
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         finally:
             if fanout is not None:
                 fanout.close()
+                ticket.close()
 
     @staticmethod
-    async def _collect(fmt: ResponseFormat, fanout: Fanout, choices: list[Choice], item: Item) -> dict:
+    async def _collect(
+        fmt: ResponseFormat, fanout: Fanout, ticket: Ticket, choices: list[Choice], item: Item
+    ) -> dict:
         remaining = len(choices)
         while True:
             index, event = item
@@ -183,34 +202,40 @@ class OpenAIRouter:
             remaining -= event.finished
             if not remaining:
                 return fmt.response(choices)
-            item = await fanout.next()
+            item = await ticket.next(fanout)
 
     @staticmethod
     async def _stream(
-        fmt: ResponseFormat, fanout: Fanout, choices: list[Choice], item: Item
+        fmt: ResponseFormat, fanout: Fanout, ticket: Ticket, choices: list[Choice], item: Item
     ) -> AsyncIterator[str]:
         try:
             for chunk in fmt.head_chunks(choices):
-                yield _sse(chunk)
+                yield sse(chunk)
             remaining = len(choices)
             while True:
                 index, event = item
                 if isinstance(event, BackendError):
                     log.warning("backend error mid-stream of %s: %s", fmt.id, event.message)
-                    yield _sse(error_body(event.message, event.status))
+                    yield sse(error_body(event.message, event.status))
                     break
                 choices[index].add(event)
                 if (chunk := fmt.event_chunk(choices[index], event)) is not None:
-                    yield _sse(chunk)
+                    yield sse(chunk)
                 remaining -= event.finished
                 if not remaining:
                     if fmt.include_usage:
-                        yield _sse(fmt.usage_chunk(choices))
+                        yield sse(fmt.usage_chunk(choices))
                     break
-                item = await fanout.next()
-            yield _sse("[DONE]")
+                try:
+                    item = await ticket.next(fanout)
+                except QueueTimeout as e:
+                    log.warning("queue timeout mid-stream of %s", fmt.id)
+                    yield sse(error_body(e.message, e.status, code=e.code))
+                    break
+            yield sse("[DONE]")
         finally:
             fanout.close()
+            ticket.close()
 
 
 def create_app(
@@ -218,26 +243,29 @@ def create_app(
     tokenizer: Tokenizer,
     served_model_name: str,
     metrics: RouterMetrics | None = None,
-    api_key: str | None = None,
-    max_request_bytes: int = 32 << 20,
+    admission: AdmissionConfig | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into.
-    With `api_key`, every `/v1/` route wants `Authorization: Bearer <api_key>` (as vLLM's
-    `--api-key`); /health and /metrics stay open for probes and scrapers. A body declared larger
-    than `max_request_bytes` is refused (413) before it is read."""
+    `admission` (router.admission): the API keys (when any, every `/v1/` route wants one as
+    `Authorization: Bearer <key>`, as vLLM's `--api-key`; /health and /metrics stay open), the
+    body limit, the queue cap and the queue timeout."""
     metrics = metrics or RouterMetrics()
-    router = OpenAIRouter(backend, tokenizer, served_model_name, metrics)
+    admission = admission or AdmissionConfig()
+    router = OpenAIRouter(backend, tokenizer, served_model_name, metrics, Admission(admission, metrics))
     created = int(time.time())
     app = FastAPI(title="pdserve router")
     app.state.router = router
     install_error_handlers(app)
-    app.add_middleware(RequestGate, max_bytes=max_request_bytes, api_key=api_key)
+    install_openapi_schema(app)
+    app.add_middleware(
+        RequestGate, max_bytes=admission.max_request_bytes, api_keys=admission.api_keys, metrics=metrics
+    )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await router.chat(body, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await router.completions(body, request)
 

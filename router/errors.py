@@ -7,38 +7,51 @@ An exception nobody expected becomes a 500 `server_error`; the server keeps serv
 
 Statuses and types:
   400 invalid_request_error  malformed JSON, wrong types, missing fields, bad values, prompt too long
+  401 invalid_request_error  /v1/ without a valid API key (router.gate)
   404 invalid_request_error  unknown route; unknown model (code "model_not_found", like OpenAI
                              and vLLM, which both answer 404 for a model they do not serve)
   405 invalid_request_error  known route, wrong method
-  5xx server_error           a backend failure (`BackendError`, 503 when no instance can take it)
+  413 invalid_request_error  body larger than --max-request-bytes (router.gate)
+  429 invalid_request_error  an API key at its concurrency limit (router.gate), with Retry-After
+  5xx server_error           a backend failure (`BackendError`, 503 when no instance can take it);
+                             503 also for a full queue or a queue timeout (router.admission)
+Every 429 and 503 carries `Retry-After` (seconds). The OpenAPI schema says so too: each
+generation route lists these statuses with the error object, and FastAPI's 422 is gone.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("pdserve.router")
+RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait before trying again
 
 
 class OpenAIError(Exception):
     """A request the router refuses; rendered as an OpenAI error with `status`."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 class BackendError(Exception):
@@ -64,9 +77,16 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 
 
 def error_response(
-    message: str, status: int, param: str | None = None, code: str | None = None
+    message: str,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, code), status_code=status)
+    """The JSON error answer; a 429 or 503 gets `Retry-After` unless `headers` sets it."""
+    if status in (429, 503):
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
+    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -85,36 +105,12 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-class RequestGate:
-    """Pure ASGI middleware (no BaseHTTPMiddleware: it would get in the way of streaming and of
-    noticing client disconnects) answering in the OpenAI shape, before the body is read:
-    413 when the declared body exceeds `max_bytes`, 401 when `/v1/` lacks the API key."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None = None) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.expected = None if not api_key else f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            declared = headers.get(b"content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-                response = error_response(f"request body larger than {self.max_bytes} bytes", 413)
-                return await response(scope, receive, send)
-            if self.expected is not None and scope["path"].startswith("/v1/"):
-                if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                    response = error_response("invalid or missing API key", 401, code="invalid_api_key")
-                    return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error FastAPI or the handlers raise to an OpenAI-shaped JSON answer."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.code)
+        return error_response(exc.message, exc.status, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(BackendError)
     async def _backend_error(request: Request, exc: BackendError) -> JSONResponse:
@@ -135,9 +131,55 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Method not allowed ({where})"
         else:
             message = str(exc.detail)
-        return error_response(message, exc.status_code)
+        return error_response(message, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error object, as the OpenAPI schema shows it."""
+
+    error: ErrorDetail
+
+
+GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid request: malformed JSON, a wrong type or value, a prompt that cannot fit"),
+        (401, "Missing or invalid API key"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (429, "The API key is at its concurrency limit (see Retry-After)"),
+        (500, "Internal or backend error"),
+        (503, "No instance can take the request, the queue is full, or it timed out (see Retry-After)"),
+    )
+}
+
+
+def install_openapi_schema(app: FastAPI) -> None:
+    """The app's OpenAPI schema without FastAPI's 422 (the router answers 400 instead, per route
+    as in `GENERATION_ERRORS`) and without the validation-error schemas only 422 used."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -12,6 +12,8 @@ one backend generation: a chat request with n=2 counts twice.
   pdserve:generation_tokens_total       counter    generated tokens
   pdserve:request_success_total         counter    finished requests, label finished_reason
   pdserve:request_errors_total          counter    generations ended by a backend error
+  pdserve:requests_rejected_total       counter    HTTP requests refused or ended by admission, label
+                                                   reason: queue_full, queue_timeout, key_concurrency
 
 A backend adds its own (prefill batch sizes, transfer bytes and time, per-instance load) with
 `metrics.histogram(...)`, `metrics.counter(...)`, `metrics.gauge(...)`: same registry, same
@@ -57,6 +59,9 @@ class RouterMetrics:
             "request_success", "Finished requests by finish reason.", labelnames=("finished_reason",)
         )
         self.errors = self.counter("request_errors", "Generations ended by a backend error.")
+        self.rejected = self.counter(
+            "requests_rejected", "Requests refused or ended by admission control.", labelnames=("reason",)
+        )
 
     # ---- factories: the router's metrics above, and whatever a backend registers
     def histogram(

@@ -4,19 +4,47 @@ A `ResponseFormat` (ChatFormat or CompletionFormat) is made per HTTP request; th
 `Choice`s, one per backend generation, which accumulate the `TokenEvent`s. Chat logprobs are
 `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`; completions logprobs are the
 legacy `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. A token's
-text is its own decode (special tokens kept), as vLLM does.
+text is its own decode (special tokens kept), as vLLM does. `sse` frames one event of a stream;
+`ClosingStreamingResponse` sends a stream and releases what it holds however the stream ends.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pdserve.tokenizer import Tokenizer
 from router.backend import TokenEvent
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a token the filters removed gets this (as in vLLM)
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: `data: <compact JSON, or the text as it is>`."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends: also when the client left before the
+    stream's generator started (its `finally` would never run then)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: tuple[Callable[[], None], ...]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for close in self.on_close:
+                close()
 
 
 @dataclass(slots=True)
@@ -26,15 +54,19 @@ class Choice:
     index: int
     prompt_tokens: int
     prefix: str = ""  # text put before the output (completions with echo: the prompt)
-    text: str = ""
+    deltas: list[str] = field(default_factory=list)  # joined once, at the end: no O(length) a token
     num_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
     text_offset: int = 0  # completions logprobs: where the next token's text starts
 
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
     def add(self, event: TokenEvent) -> None:
-        self.text += event.text_delta
+        self.deltas.append(event.text_delta)
         self.num_tokens += len(event.token_ids)
         self.logprobs.extend(event.logprobs or ())
         self.finish_reason = event.finish_reason

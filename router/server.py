@@ -13,8 +13,10 @@ import uvicorn
 from pdserve.config import ModelConfig
 from pdserve.registry import InstanceRegistry
 from pdserve.tokenizer import load_tokenizer
+from router.admission import AdmissionConfig
 from router.app import create_app
 from router.disagg import BurstConfig, DisaggBackend
+from router.gate import ApiKey, read_api_key_file
 from router.instances import InstanceSet
 from router.metrics import RouterMetrics
 
@@ -29,8 +31,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int | None = None  # default: the model's, capped at 32,768
-    api_key: str | None = None
-    max_request_bytes: int = 32 << 20  # a larger declared body is refused (413) before it is read
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # keys, body size, queue
     burst: BurstConfig = field(default_factory=BurstConfig)
 
 
@@ -42,9 +43,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
-        "--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="require it as a Bearer token on /v1/"
+        "--api-key",
+        action="append",
+        default=[],
+        help="require it as a Bearer token on /v1/; repeat for several keys (also: $PDSERVE_API_KEY, "
+        "which `ps` does not show)",
     )
-    parser.add_argument("--max-request-bytes", type=int, default=32 << 20, help="refuse larger bodies (413)")
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="API keys, one a line, optionally `KEY max_concurrency` (its requests in flight; 429 beyond)",
+    )
+    defaults = AdmissionConfig()
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=defaults.max_request_bytes, help="refuse larger bodies (413)"
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="generations waiting for a first token before new requests get 503 + Retry-After (0: no cap)",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=defaults.queue_timeout_s,
+        help="seconds a request may wait for its first token before it ends with 503 (0: no limit)",
+    )
     parser.add_argument("--burst-window-ms", type=float, default=5.0, help="gather a burst for this long")
     parser.add_argument(
         "--burst-max-tokens", type=int, default=16384, help="send a burst at this many tokens"
@@ -59,14 +84,7 @@ async def serve(config: RouterConfig) -> None:
     instances = InstanceSet(registry, metrics)
     backend = DisaggBackend(instances, metrics, max_model_len, config.burst)
     name = config.served_model_name or config.model
-    app = create_app(
-        backend,
-        load_tokenizer(config.model),
-        name,
-        metrics,
-        api_key=config.api_key,
-        max_request_bytes=config.max_request_bytes,
-    )
+    app = create_app(backend, load_tokenizer(config.model), name, metrics, config.admission)
     await instances.start()
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
     try:
@@ -74,6 +92,16 @@ async def serve(config: RouterConfig) -> None:
     finally:
         await instances.close()
         await registry.close()
+
+
+def api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
+    """--api-key (each), the lines of --api-key-file, then $PDSERVE_API_KEY: all of them work."""
+    keys = [ApiKey(key) for key in args.api_key]
+    if args.api_key_file is not None:
+        keys += read_api_key_file(args.api_key_file)
+    if (env := os.environ.get("PDSERVE_API_KEY")) and env not in {k.key for k in keys}:
+        keys.append(ApiKey(env))
+    return tuple(keys)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,8 +113,12 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         max_model_len=args.max_model_len,
-        api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
+        admission=AdmissionConfig(
+            api_keys=api_keys(args),
+            max_request_bytes=args.max_request_bytes,
+            max_queued_requests=args.max_queued_requests,
+            queue_timeout_s=args.queue_timeout,
+        ),
         burst=BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens),
     )
     asyncio.run(serve(config))

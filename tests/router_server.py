@@ -5,21 +5,18 @@ engine and one server, session-scoped, serve every test of both; not imported by
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from router.app import create_app
 from router.backend import LocalBackend
 from router.metrics import RouterMetrics
+from tests.live_server import serving
 from tests.router_requests import MAX_MODEL_LEN, MODEL
 
 
@@ -35,20 +32,8 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
 def server(engine: LLMEngine) -> Iterator[str]:
     metrics = RouterMetrics()
     backend = LocalBackend(engine, metrics)
-    app = create_app(backend, engine.tokenizer, MODEL, metrics)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(10)
+    with serving(create_app(backend, engine.tokenizer, MODEL, metrics)) as url:
+        yield url
     backend.close()
 
 

@@ -153,7 +153,9 @@ def sse_events(response: httpx.Response) -> list[str]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_backend_fails_before_first_token(tokenizer: Tokenizer, stream: bool) -> None:
     http = fake_client(tokenizer, 0, BackendError("no prefill instance", 503))
-    assert_error(http.post("/v1/chat/completions", json={**CHAT_OK, "stream": stream}), 503, "no prefill")
+    response = http.post("/v1/chat/completions", json={**CHAT_OK, "stream": stream})
+    assert_error(response, 503, "no prefill")
+    assert response.headers["retry-after"] == "1"  # every 503 says when to come back
     http = fake_client(tokenizer, 0, RuntimeError("boom"))
     assert_error(http.post("/v1/completions", json={"prompt": "x", "stream": stream}), 500, "boom")
     assert_error(http.get("/health"), 503, "no instance alive")
@@ -165,6 +167,21 @@ def test_backend_fails_mid_stream(tokenizer: Tokenizer) -> None:
     assert [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:3]] == ["", "t0", "t1"]
     assert json.loads(events[3])["error"]["message"] == "decode instance lost" and events[4:] == ["[DONE]"]
     assert_error(http.post("/v1/chat/completions", json=CHAT_OK), 500, "decode instance lost")
+
+
+def test_openapi_schema_says_400_where_the_router_answers_400(tokenizer: Tokenizer) -> None:
+    """FastAPI documents a 422 for every body it validates; the router answers 400 (and 401, 413,
+    429, 503 with the error object): a schema-driven client or fuzzer must see what it gets."""
+    schema = fake_client(tokenizer, 0, None).get("/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(
+            responses
+        )
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert (
+        "HTTPValidationError" not in json.dumps(schema) and "ErrorResponse" in schema["components"]["schemas"]
+    )
 
 
 def test_cached_tokens_reported(tokenizer: Tokenizer) -> None:
