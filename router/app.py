@@ -71,7 +71,7 @@ from router.responses import (
 )
 
 log = logging.getLogger("pdserve.router")
-MAX_CHOICES = 128  # prompts x n of one request: a typo'd n must not queue millions of generations
+MAX_CHOICES = 256  # prompts x n of one request (n=200 must work): a typo must not queue millions
 ENCODE_INLINE_CHARS = 20_000  # longer texts are tokenized on a worker thread
 
 

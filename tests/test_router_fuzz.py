@@ -98,7 +98,7 @@ def mutated_body(draw: st.DrawFn, path: str) -> Any:
         field = FIELDS[path].get(name)
         value = draw(typed(field.annotation) if field and (kind == 1 or draw(st.booleans())) else JSON_VALUES)
         if name in BUDGET_FIELDS and long_budget(value):
-            value = draw(st.integers(1, 4) | st.integers(min_value=129))
+            value = draw(st.integers(1, 4) | st.integers(min_value=257))  # n: past MAX_CHOICES
         body[name] = value
     return body
 
