@@ -111,3 +111,43 @@ def test_256_concurrent_against_8_slots(stack: Stack, expected: dict[str, str]) 
     wrong = [p for p, text in served if text != expected[p]]
     assert not wrong, f"{len(wrong)} outputs differ from offline"
     assert all(_is_idle(load) for load in idle(stack).values())
+
+
+def test_throughput_holds_at_8x_load(stack: Stack) -> None:
+    """Closed-loop clients: 8 (1x `--max-num-seqs`) for 20 s, then 64 (8x) for 60 s. The last 20 s
+    at 8x must keep at least 80% of the 1x throughput: overload queues, it does not thrash."""
+
+    async def load(clients: int, seconds: float) -> list[tuple[float, int]]:
+        done: list[tuple[float, int]] = []  # (finish time, output tokens) of each request
+        stop = time.monotonic() + seconds
+
+        async def client_loop(client: openai.AsyncOpenAI, i: int) -> None:
+            while time.monotonic() < stop:
+                try:
+                    reply = await client.completions.create(
+                        model="tiny",
+                        prompt=PROMPTS[i % len(PROMPTS)],
+                        max_tokens=32,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    done.append((time.monotonic(), reply.usage.completion_tokens))
+                except openai.APIStatusError as e:
+                    assert e.status_code in (429, 503), e
+                    await asyncio.sleep(0.2)
+
+        async with openai.AsyncOpenAI(
+            base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120
+        ) as c:
+            await asyncio.gather(*(client_loop(c, i) for i in range(clients)))
+        return done
+
+    def rate(done: list[tuple[float, int]], start: float, end: float) -> float:
+        return sum(n for t, n in done if start <= t < end) / (end - start)
+
+    t0 = time.monotonic()
+    base = rate(asyncio.run(load(8, 20)), t0 + 5, t0 + 20)  # after a 5 s ramp
+    t1 = time.monotonic()
+    heavy = rate(asyncio.run(load(64, 60)), t1 + 40, t1 + 60)
+    assert heavy >= 0.8 * base, f"8x load: {heavy:.0f} tok/s in the last 20 s, 1x: {base:.0f} tok/s"
+    assert all(_is_idle(load) for load in idle(stack).values())

@@ -5,7 +5,8 @@ Loop, each turn:
      so only this thread touches the engine and the transfer agent);
   2. `tick()`: the service's own polling (transfer states, done notifications, expiries);
   3. `engine.step()` when there is work, and hand its outputs to `on_outputs`;
-  4. when idle, sleep until woken by a new call (or the tick interval passes).
+  4. when nothing ran, sleep until woken by a new call, or `idle_s` when the tick asked to be
+     called again soon (a transfer to poll), or 50 ms.
 A failing step fails the requests it held (reported through `on_error`), never the thread.
 """
 
@@ -90,12 +91,10 @@ class EngineThread:
         while not self._stop.is_set():
             self._run_calls()
             busy = self._safe_tick()
-            if self.engine.scheduler.running or self.engine.scheduler.waiting:
-                self._safe_step()
-                # waiting requests that cannot be admitted yet (memory held for transfers)
-                busy = busy or bool(self.engine.scheduler.running)
-                if busy:
-                    continue
+            if (self.engine.scheduler.running or self.engine.scheduler.waiting) and self._safe_step():
+                continue
+            # nothing ran: idle, or waiting requests that cannot be admitted yet (memory held
+            # for transfers) - poll again soon when the tick wants it, never spin
             self._wake.wait(self.idle_s if busy else 0.05)
             self._wake.clear()
 
@@ -119,9 +118,11 @@ class EngineThread:
             logger.exception("engine tick failed")
             return False
 
-    def _safe_step(self) -> None:
+    def _safe_step(self) -> bool:
+        """One engine step; False when it had nothing it could run."""
         start = time.perf_counter()
         try:
+            ran = bool(self.engine.scheduler.running)
             outputs = self.engine.step()
         except Exception as e:
             logger.exception("engine step failed; failing its requests")
@@ -129,7 +130,8 @@ class EngineThread:
             for request_id in failed:
                 self.engine.abort(request_id)
             self.on_error(failed, f"engine step failed: {type(e).__name__}: {e}")
-            return
+            return True
         self.on_step(time.perf_counter() - start)
         if outputs:
             self.on_outputs(outputs)
+        return ran or bool(self.engine.scheduler.running) or bool(outputs)
