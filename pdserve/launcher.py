@@ -159,19 +159,14 @@ def model_and_device(args: argparse.Namespace) -> tuple[str, str]:
     return model, device
 
 
-def router_api_key(args: argparse.Namespace) -> str | None:
-    """--api-key-file's key, else --api-key, else $PDSERVE_API_KEY."""
-    if args.api_key_file is not None:
-        try:
-            key = Path(args.api_key_file).read_text().strip()
-        except OSError as e:
-            raise StartupError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from e
-        if not key:
-            raise StartupError(f"--api-key-file {args.api_key_file}: the file is empty")
-        return key
+def router_key_options(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The router's (flags, environment) for the API keys: --api-key-file's path on its command
+    line (the keys stay in the file), --api-key or $PDSERVE_API_KEY in its environment."""
+    flags = [] if args.api_key_file is None else ["--api-key-file", str(Path(args.api_key_file).resolve())]
     if args.api_key is not None:
         say("--api-key shows in `ps`: prefer --api-key-file PATH or $PDSERVE_API_KEY")
-    return args.api_key or os.environ.get("PDSERVE_API_KEY")
+    key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    return flags, ({"PDSERVE_API_KEY": key} if key else {})
 
 
 def spawn(args: argparse.Namespace, stack: Stack, plan: list[layout.ServiceProcess], model: str) -> None:
@@ -196,8 +191,8 @@ def spawn(args: argparse.Namespace, stack: Stack, plan: list[layout.ServiceProce
         argv += ["--served-model-name", args.served_model_name]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
-    key = router_api_key(args)
-    stack.router = Child("router", argv, base_env | ({"PDSERVE_API_KEY": key} if key else {}))
+    key_flags, key_env = router_key_options(args)
+    stack.router = Child("router", argv + key_flags, base_env | key_env)
     say(f"started the router on {args.host}:{args.port} (pid {stack.router.pid})")
 
 
@@ -253,8 +248,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one engine process holding both roles (the default with --device cuda and one GPU)",
     )
     parser.add_argument("--redis-url", default=None, help="use this Redis (default: start a private one)")
-    parser.add_argument("--api-key-file", metavar="PATH", help="the router requires its key on /v1/ (Bearer)")
-    parser.add_argument("--api-key", help="as --api-key-file, but `ps` shows it (or: $PDSERVE_API_KEY)")
+    parser.add_argument(
+        "--api-key-file", metavar="PATH", help="the router's API keys, one a line (`KEY max_concurrency`)"
+    )
+    parser.add_argument("--api-key", help="one API key; `ps` shows it: prefer $PDSERVE_API_KEY")
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for the stack (default 600)"
     )

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -96,17 +97,25 @@ def test_sigkill_of_pdserve_up_leaves_no_child_alive(tmp_path, tiny_model_dir) -
 
 
 def test_no_secret_or_password_is_on_any_command_line(tmp_path, tiny_model_dir) -> None:
-    key_file = tmp_path / "api-key"
-    key_file.write_text("s3cret-api-key\n")
-    up = UpProcess(tmp_path, "--api-key-file", str(key_file), model=tiny_model_dir).start()
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("s3cret-file-key 4\n")
+    env_key = "s3cret-env-key"
+    up = UpProcess(
+        tmp_path, "--api-key-file", str(key_file), model=tiny_model_dir, env={"PDSERVE_API_KEY": env_key}
+    )
+    up.start()
     try:
         children = up.children()
         assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
         router_env = environ(children["router"])
         secret_file = router_env["PDSERVE_INTERNAL_SECRET_FILE"]
         assert os.stat(secret_file).st_mode & 0o777 == 0o600
-        secrets = {open(secret_file).read().strip(), router_env["PDSERVE_REDIS_PASSWORD"], "s3cret-api-key"}
-        assert all(len(s) >= 12 for s in secrets)
+        secrets = {
+            open(secret_file).read().strip(),
+            router_env["PDSERVE_REDIS_PASSWORD"],
+            "s3cret-file-key",
+            env_key,
+        }
         for name, pid in children.items():
             line = cmdline(pid)
             assert not any(s in line for s in secrets), f"{name} has a secret on its command line: {line}"
@@ -116,6 +125,9 @@ def test_no_secret_or_password_is_on_any_command_line(tmp_path, tiny_model_dir) 
                 assert env["PDSERVE_REDIS_PASSWORD"] == router_env["PDSERVE_REDIS_PASSWORD"], name
                 assert ("PDSERVE_API_KEY" in env) == (name == "router"), name
         assert not any(s in " ".join(up.argv) for s in secrets)
+        for key, status in (("s3cret-file-key", 200), (env_key, 200), ("wrong", 401)):
+            got = httpx.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert got.status_code == status, key
     finally:
         assert up.stop() == 0, up.output()
     assert not os.path.exists(secret_file)
