@@ -23,7 +23,8 @@ class RequestOutput:
     """A request's state after a step; `new_token_ids`/`text_delta` are what this step added.
 
     `token_ids` and `logprobs` are the request's own lists (not copied every step: that would
-    cost O(length) per token), complete once `finished`.
+    cost O(length) per token), complete once `finished`; `text` is set once `finished` only
+    (joining it every step would cost as much).
     """
 
     request_id: str
@@ -203,7 +204,7 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
-            text=seq.stop_checker.text,
+            text=seq.stop_checker.text if seq.status is SequenceStatus.FINISHED else "",
             finished=seq.status is SequenceStatus.FINISHED,
             lease_id=lease_id,
             num_cached_tokens=seq.num_cached_tokens,
