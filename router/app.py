@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse
 from pdserve.tokenizer import Tokenizer
 from router.admission import Admission, AdmissionConfig, QueueTimeout, Ticket
 from router.backend import Backend, GenerateRequest
+from router.drain import SHUTDOWN_MESSAGE, Drain
 from router.errors import (
     GENERATION_ERRORS,
     BackendError,
@@ -79,9 +80,16 @@ class OpenAIRouter:
     """The handlers behind the routes: turn requests into backend generations and answers."""
 
     def __init__(
-        self, backend: Backend, tokenizer: Tokenizer, model: str, metrics: RouterMetrics, admission: Admission
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        model: str,
+        metrics: RouterMetrics,
+        admission: Admission,
+        drain: Drain,
     ) -> None:
         self.backend = backend
+        self.drain = drain
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics
@@ -168,8 +176,11 @@ class OpenAIRouter:
                 req_id = f"{fmt.id}-{len(requests)}"
                 requests.append(GenerateRequest(req_id, ids, replace(params, n=1, seed=seed)))
                 choices.append(Choice(index=len(choices), prompt_tokens=len(ids), prefix=echo))
+        if self.drain.draining:  # a 503 carries Retry-After
+            raise OpenAIError(SHUTDOWN_MESSAGE, 503, code="shutting_down")
         ticket = self.admission.admit(len(requests), arrival)
         fanout = Fanout(self.backend, requests, self.metrics, arrival)
+        self.drain.track(fanout)
         try:
             first = await unless_disconnected(request, ticket.next(fanout))
             if isinstance(first[1], BackendError):
@@ -244,6 +255,7 @@ def create_app(
     served_model_name: str,
     metrics: RouterMetrics | None = None,
     admission: AdmissionConfig | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into.
     `admission` (router.admission): the API keys (when any, every `/v1/` route wants one as
@@ -251,7 +263,10 @@ def create_app(
     body limit, the queue cap and the queue timeout."""
     metrics = metrics or RouterMetrics()
     admission = admission or AdmissionConfig()
-    router = OpenAIRouter(backend, tokenizer, served_model_name, metrics, Admission(admission, metrics))
+    drain = drain or Drain()
+    router = OpenAIRouter(
+        backend, tokenizer, served_model_name, metrics, Admission(admission, metrics), drain
+    )
     created = int(time.time())
     app = FastAPI(title="pdserve router")
     app.state.router = router
@@ -279,6 +294,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:
+            return error_response(SHUTDOWN_MESSAGE, 503)
         try:
             return JSONResponse({"status": "ok", **(await backend.health())})
         except BackendError as e:

@@ -32,6 +32,7 @@ class Fanout:
     ) -> None:
         self.backend = backend
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.closed = False
         self.tasks = [
             asyncio.create_task(self._pump(i, req, metrics, arrival)) for i, req in enumerate(requests)
         ]
@@ -59,7 +60,14 @@ class Fanout:
     async def next(self) -> Item:
         return await self.queue.get()
 
+    def fail(self, error: BackendError) -> None:
+        """End the request with `error` (whoever reads the queue sees it next), its work cancelled."""
+        self.queue.put_nowait((0, error))
+        for task in self.tasks:
+            task.cancel()
+
     def close(self) -> None:
+        self.closed = True
         for task in self.tasks:
             task.cancel()
 

@@ -16,6 +16,7 @@ from pdserve.tokenizer import load_tokenizer
 from router.admission import AdmissionConfig
 from router.app import create_app
 from router.disagg import BurstConfig, DisaggBackend
+from router.drain import Drain, DrainingServer
 from router.gate import ApiKey, read_api_key_file
 from router.instances import InstanceSet
 from router.metrics import RouterMetrics
@@ -33,6 +34,7 @@ class RouterConfig:
     max_model_len: int | None = None  # default: the model's, capped at 32,768
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # keys, body size, queue
     burst: BurstConfig = field(default_factory=BurstConfig)
+    shutdown_timeout_s: float = 30.0  # on SIGTERM: how long open requests may go on (router.drain)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--burst-max-tokens", type=int, default=16384, help="send a burst at this many tokens"
     )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, let open requests go on this long, then end them with an error (s)",
+    )
 
 
 async def serve(config: RouterConfig) -> None:
@@ -84,9 +92,13 @@ async def serve(config: RouterConfig) -> None:
     instances = InstanceSet(registry, metrics)
     backend = DisaggBackend(instances, metrics, max_model_len, config.burst)
     name = config.served_model_name or config.model
-    app = create_app(backend, load_tokenizer(config.model), name, metrics, config.admission)
+    drain = Drain()
+    app = create_app(backend, load_tokenizer(config.model), name, metrics, config.admission, drain)
     await instances.start()
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+    uvicorn_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5
+    )
+    server = DrainingServer(uvicorn_config, drain, config.shutdown_timeout_s)
     try:
         await server.serve()
     finally:
@@ -120,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             queue_timeout_s=args.queue_timeout,
         ),
         burst=BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens),
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     asyncio.run(serve(config))
     return 0

@@ -1,12 +1,14 @@
 """Faults a stack must survive (2 prefill + 2 decode processes, real Redis, loopback): clients
 that leave, a prefill SIGKILLed during a burst and restarted under its instance id, a Redis
-restart, a decode SIGKILLed mid-stream. Run in this order on one stack."""
+restart, a decode SIGKILLed mid-stream, the router drained by SIGTERM. Run in this order on one
+stack."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import signal
 import time
 
 import httpx
@@ -24,7 +26,11 @@ BUSY = ("running", "waiting", "held", "receiving", "incoming")
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
-    flags = {"prefill": ["--max-num-seqs", "8"], "decode": ["--max-num-seqs", "16"]}
+    flags = {
+        "prefill": ["--max-num-seqs", "8"],
+        "decode": ["--max-num-seqs", "16"],
+        "router": ["--shutdown-timeout", "2"],
+    }
     s = Stack(
         tiny_model_dir, tmp_path_factory.mktemp("faults"), num_prefill=2, num_decode=2, extra_flags=flags
     )
@@ -189,3 +195,31 @@ def test_decode_killed_mid_stream(stack: Stack) -> None:
     assert errors and len(errors) < len(results), results  # both decode instances had streams
     assert max(errors) < 1.0, f"an error event came {max(errors):.2f} s after the kill"
     stack.restart("decode-0")
+
+
+def test_router_sigterm_drains(stack: Stack) -> None:
+    """SIGTERM: new requests get 503 + Retry-After; open streams go on for --shutdown-timeout
+    (2 s), then end with an SSE error event and [DONE]; the router exits 0."""
+
+    async def stream(client: httpx.AsyncClient, i: int) -> list[str]:
+        async with client.stream("POST", "/v1/completions", json=body(PROMPTS[i], 460)) as response:
+            return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+    async def run() -> tuple[list[list[str]], httpx.Response, float]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            calls = [asyncio.create_task(stream(client, i)) for i in range(4)]
+            await asyncio.sleep(1.0)
+            signalled = time.monotonic()
+            stack.procs["router"].send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = await client.post("/v1/completions", json=body(PROMPTS[0], 4, stream=False))
+            streams = await asyncio.gather(*calls)
+            return streams, refused, time.monotonic() - signalled
+
+    streams, refused, took = asyncio.run(run())
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in lines[-2], lines[-2]
+    assert 1.8 < took < 4.0, took
+    assert stack.procs["router"].wait(timeout=10) == 0
