@@ -24,12 +24,8 @@ class GatedAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.split = [
-            self.num_heads * self.head_dim * 2,
-            self.num_kv_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        ]
-        self.qkv_proj = nn.Parameter(torch.empty(sum(self.split), cfg.hidden_size))
+        qkv_rows = (self.num_heads * 2 + self.num_kv_heads * 2) * self.head_dim
+        self.qkv_proj = nn.Parameter(torch.empty(qkv_rows, cfg.hidden_size))
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.num_heads * self.head_dim))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -41,16 +37,19 @@ class GatedAttention(nn.Module):
         self.kv_layer = kv_layer
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        T = x.shape[0]
-        q_gate, k, v = F.linear(x, self.qkv_proj).split(self.split, dim=-1)
-        q, gate = q_gate.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
-        ops.store_kv(k, v, self.kv_layer, batch.slot_mapping)
-        o = ops.paged_attention(
-            q.contiguous(), self.kv_layer, batch.cu_seqlens, batch.seq_lens, batch.block_tables, self.scale
+        q, gate = ops.qk_norm_rope_store(
+            F.linear(x, self.qkv_proj),
+            self.num_heads,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            self.rotary.cos_cache,
+            self.rotary.sin_cache,
+            batch.positions,
+            self.kv_layer,
+            batch.slot_mapping,
         )
-        o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
-        return F.linear(o, self.o_proj)
+        o = ops.paged_attention(
+            q, self.kv_layer, batch.cu_seqlens, batch.seq_lens, batch.block_tables, self.scale
+        )
+        return F.linear(ops.output_gate(o, gate), self.o_proj)

@@ -57,13 +57,12 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
         if batch.is_decode:
             o = ops.gdn_recurrent_step(q, k, v, g, beta, self.recurrent_pool, batch.state_slots)
         else:
             o = ops.gdn_chunk_prefill(
                 q, k, v, g, beta, batch.cu_seqlens, self.recurrent_pool, batch.state_slots
             )
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return F.linear(o.reshape(T, self.value_dim), self.out_proj)
+        o = self.norm(o, z.view(T, self.num_v_heads, self.head_v_dim))
+        return F.linear(o, self.out_proj)

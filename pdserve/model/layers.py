@@ -1,24 +1,32 @@
-"""Shared building blocks: zero-centred RMSNorm, gated RMSNorm, partial rotary embedding."""
+"""Shared building blocks: zero-centred RMSNorm (with the residual add), gated RMSNorm, the rotary
+tables. Each forward is one op of `pdserve.ops` (one kernel on CUDA)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pdserve import ops
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: `norm(x) * (1 + w)`, computed in fp32."""
+    """Zero-centred RMSNorm: `norm(x) * (1 + w)`, computed in fp32.
+
+    With a residual, the sublayer output `x` ([T, D], or [T, P, D] parts summed first) is added to
+    the residual stream before the norm: returns (normed, new residual), as in vLLM's fused norm.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -30,15 +38,13 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
+        """x, gate: [T, H, D] -> [T, H * D]."""
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary embedding on the first `rotary_dim` channels of each head (rotate-half layout).
+    """cos/sin tables (fp32, [max_positions, rotary_dim], rotate-half layout) of the rotary embedding
+    on the first `rotary_dim` channels of each head; `pdserve.ops.qk_norm_rope_store` applies them.
 
     Text-only inputs give the three multimodal position streams the same value, so the
     interleaved M-RoPE of Qwen3.5 reduces to ordinary RoPE.
@@ -52,17 +58,3 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)

@@ -26,14 +26,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoe(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: this layer's input_layernorm output; residual: the stream it normed. Returns the MoE's
+        weighted expert rows [T, P, H] and the stream before them: the next norm adds the two."""
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, batch)
         else:
             h = self.self_attn(h, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3MoeHybrid(nn.Module):
@@ -64,11 +67,16 @@ class Qwen3MoeHybrid(nn.Module):
                 attn_i += 1
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
-        x = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
-            x = layer(x, batch)
-        return self.model.norm(x)
+        """Hidden states after the final norm, [T, hidden]. Each layer's residual add is folded into
+        the norm after it (the last layer's into the final norm)."""
+        layers = self.model.layers
+        residual = self.model.embed_tokens(batch.input_ids)
+        h = layers[0].input_layernorm(residual)
+        for i, layer in enumerate(layers):
+            parts, residual = layer(h, residual, batch)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = next_norm(parts, residual)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

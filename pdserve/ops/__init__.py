@@ -1,4 +1,6 @@
-"""The ops of the hybrid model behind one interface: GDN linear attention, causal conv1d, paged attention.
+"""The ops of the hybrid model behind one interface: GDN linear attention, causal conv1d, paged attention,
+and the small per-layer ops (norms with the residual add, q/k norm + rotary + KV store, gates, the MoE
+router) of `pdserve.ops.layer_ops`, re-exported here. The routed-expert MoE is `pdserve.ops.moe`.
 
 Packed tokens: `T` tokens of `N` sequences, sequence `n` is tokens `cu_seqlens[n]:cu_seqlens[n+1]`
 (int32 `[N+1]`). The ops read and write the state pools in place (see docs/architecture.md): GDN
@@ -15,13 +17,30 @@ from types import ModuleType
 import torch
 
 from pdserve.ops import reference
+from pdserve.ops.layer_ops import (
+    add_rms_norm,
+    gated_rms_norm,
+    gdn_gates,
+    output_gate,
+    qk_norm_rope_store,
+    rms_norm,
+    route_topk,
+)
+from pdserve.ops.shapes import Shapes as _Shapes
 
 __all__ = [
+    "add_rms_norm",
     "causal_conv1d_prefill",
     "causal_conv1d_step",
+    "gated_rms_norm",
     "gdn_chunk_prefill",
+    "gdn_gates",
     "gdn_recurrent_step",
+    "output_gate",
     "paged_attention",
+    "qk_norm_rope_store",
+    "rms_norm",
+    "route_topk",
     "store_kv",
 ]
 
@@ -35,37 +54,6 @@ def _implementation(x: torch.Tensor) -> ModuleType:
 
         return cuda
     return reference
-
-
-class _Shapes:
-    """Checks tensors against named dims ("T Hk Dk"); a name is fixed by the first tensor that has it
-    (or by `fix`), and a digit string is a literal size."""
-
-    def __init__(self, op: str) -> None:
-        self.op = op
-        self.sizes: dict[str, int] = {}
-
-    def __call__(self, name: str, x: torch.Tensor, dims: str, dtype: torch.dtype | None = None) -> None:
-        names = dims.split()
-        if x.dim() != len(names):
-            raise ValueError(f"{self.op}: {name} must be [{', '.join(names)}], got shape {list(x.shape)}")
-        for dim, size in zip(names, x.shape, strict=True):
-            expected = int(dim) if dim.isdigit() else self.sizes.setdefault(dim, size)
-            if size != expected:
-                raise ValueError(
-                    f"{self.op}: {name} has {dim}={size} but {dim}={expected} elsewhere "
-                    f"(shape {list(x.shape)}, expected [{', '.join(names)}])"
-                )
-        if dtype is not None and x.dtype != dtype:
-            raise ValueError(f"{self.op}: {name} must be {dtype}, got {x.dtype}")
-
-    def fix(self, dim: str, size: int) -> None:
-        self.sizes[dim] = size
-
-    def multiple(self, dim: str, of: str) -> None:
-        size, of_size = self.sizes[dim], self.sizes[of]
-        if size % of_size:
-            raise ValueError(f"{self.op}: {dim}={size} must be a multiple of {of}={of_size}")
 
 
 def _check_gdn(

@@ -1,6 +1,10 @@
-"""Routed-expert MoE on CUDA, sync-free: the (token, k) pairs are sorted by expert on the device and
+"""Routed-expert MoE on CUDA, sync-free: the (token, k) pairs are laid out by expert on the device and
 run as grouped GEMMs, either a Triton kernel (fused SiLU-gate, any float dtype) or torch's
 `_grouped_mm` (CUTLASS, bf16 on sm90). Semantics are those of `pdserve.ops.moe.fused_moe`.
+
+The Triton path lays the pairs out in one counting launch (`pdserve.ops.cuda_route.align_pairs`) up to
+its size limit, by a device sort above it; each GEMM program reads its block's expert off the
+block's first pair.
 """
 
 from __future__ import annotations
@@ -10,24 +14,28 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pdserve.ops.cuda_route import MAX_ALIGN_PAIRS, align_pairs
+
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, pair_ptr, block_expert_ptr, weight_ptr,
+    a_ptr, w_ptr, c_ptr, pair_ptr, ids_ptr, weight_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_cm, top_k,
     GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
-    """One block of BLOCK_M padded rows (all one expert's) x BLOCK_N output columns.
+    """One block of BLOCK_M padded rows (all one expert's: the expert of its first pair; a block whose
+    first row is padding is unused) x BLOCK_N output columns.
 
     GATE_UP: rows gather x[pair // top_k]; out = silu(x W_gate^T) * (x W_up^T), stored by padded row.
     else: rows read the intermediate by padded row; out = weight[pair] * (h W_down^T), stored by pair.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
+    first = tl.load(pair_ptr + pid_m * BLOCK_M)
+    if first < 0:
         return
+    expert = tl.load(ids_ptr + first).to(tl.int64)
     offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ptr + offs_p)
     valid = pairs >= 0
@@ -78,12 +86,12 @@ def _block_config(num_pairs: int, num_experts: int) -> dict[str, int]:
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
-def _expert_blocks(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, K] -> (pair index of each padded row, -1 for padding [max_blocks * block_m];
-    expert of each block of block_m rows, -1 past the end [max_blocks]). Expert e's pairs fill
-    ceil(count_e / block_m) blocks in pair order; every size depends only on T, K, E: no sync."""
+def _pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """topk_ids [T, K] -> pair index of each padded row, -1 for padding [(ceil(T*K / block_m) + E) *
+    block_m]: expert e's pairs fill ceil(count_e / block_m) blocks in pair order. Sizes depend only on
+    T, K, E: no sync. The torch path (a stable device sort) for more pairs than one program aligns."""
+    if topk_ids.numel() <= MAX_ALIGN_PAIRS:
+        return align_pairs(topk_ids, num_experts, block_m)
     flat = topk_ids.flatten()
     num_pairs = flat.shape[0]
     device = flat.device
@@ -91,49 +99,57 @@ def _expert_blocks(
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     order = torch.argsort(flat, stable=True)
     padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
     sorted_experts = flat[order]
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
-    position = (padded_end - padded)[sorted_experts] + rank
-    max_blocks = triton.cdiv(num_pairs, block_m) + num_experts
-    pair_of_row = torch.full((max_blocks * block_m,), -1, dtype=torch.int64, device=device)
-    pair_of_row.scatter_(0, position, order)
-    block_starts = torch.arange(max_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
-    return pair_of_row, block_expert
+    position = (padded.cumsum(0) - padded)[sorted_experts] + rank
+    num_rows = (triton.cdiv(num_pairs, block_m) + num_experts) * block_m
+    pair_of_row = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+    return pair_of_row.scatter_(0, position, order)
 
 
 def fused_moe_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    reduce: bool = True,
 ) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, K] -> [T, H] in x's dtype."""
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, K] -> [T, H] in x's dtype
+    (reduce=False: the weighted rows of each pair, [T, K, H])."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     cfg = _block_config(num_tokens * top_k, num_experts)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    pair_of_row, block_expert = _expert_blocks(topk_ids, num_experts, block_m)
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    pair_of_row = _pairs_by_expert(topk_ids, num_experts, block_m)
+    num_blocks = pair_of_row.shape[0] // block_m
+    x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), topk_ids.contiguous()
     weights = topk_weights.contiguous().flatten()
     ieee = x.dtype == torch.float32
     hidden_act = torch.empty(pair_of_row.shape[0], inter, dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
-        x, w13, hidden_act, pair_of_row, block_expert, weights,
+    _moe_gemm_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w13, hidden_act, pair_of_row, ids, weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), hidden_act.stride(0), top_k,
         GATE_UP=True, IEEE=ieee, **cfg,
     )  # fmt: skip
     per_pair = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
-        hidden_act, w2, per_pair, pair_of_row, block_expert, weights,
+    _moe_gemm_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        hidden_act, w2, per_pair, pair_of_row, ids, weights,
         hidden, inter, hidden_act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), top_k,
         GATE_UP=False, IEEE=ieee, **cfg,
     )  # fmt: skip
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    per_pair = per_pair.view(num_tokens, top_k, hidden)
+    return per_pair.sum(dim=1, dtype=torch.float32).to(x.dtype) if reduce else per_pair
 
 
 def fused_moe_grouped_mm(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """The same through `torch._grouped_mm` (bf16, sm90): rows sorted by expert, groups by offsets."""
     num_tokens, hidden = x.shape
@@ -147,14 +163,21 @@ def fused_moe_grouped_mm(
     gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     down = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
     down = down * topk_weights.flatten()[order, None]
-    per_pair = torch.empty_like(down).index_copy_(0, order, down)
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    per_pair = torch.empty_like(down).index_copy_(0, order, down).view(num_tokens, top_k, hidden)
+    return per_pair.sum(dim=1, dtype=torch.float32).to(x.dtype) if reduce else per_pair
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    reduce: bool = True,
 ) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids int64 [T, K] -> [T, H]."""
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids int64 [T, K] -> [T, H]
+    (reduce=False: [T, K, H])."""
     if x.shape[0] == 0:
-        return torch.zeros_like(x)
-    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+        shape = x.shape if reduce else (0, topk_ids.shape[1], x.shape[1])
+        return torch.zeros(shape, dtype=x.dtype, device=x.device)
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, reduce)

@@ -8,12 +8,19 @@ import torch.nn.functional as F
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """Sum over each token's top-k experts of `weight * down(silu(gate(x)) * up(x))`.
 
     x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I];
-    topk_weights: [T, K] (x's dtype); topk_ids: [T, K] int64. Returns [T, H].
+    topk_weights: [T, K] (x's dtype); topk_ids: [T, K] int64. Returns [T, H]; with reduce=False the
+    K weighted expert rows of each token, [T, K, H] in x's dtype, unsummed (the caller sums them in
+    fp32, as `pdserve.ops.add_rms_norm` does).
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("fused_moe wants x [T, H], w13 [E, 2I, H], w2 [E, H, I]")
@@ -26,27 +33,33 @@ def fused_moe(
     if x.is_cuda:
         from pdserve.ops.cuda_moe import fused_moe as fused_moe_cuda
 
-        return fused_moe_cuda(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, reduce)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, reduce)
 
 
 def fused_moe_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    reduce: bool = True,
 ) -> torch.Tensor:
     """The reference of `fused_moe`: a loop over experts in plain torch (one host sync for the counts)."""
-    out = torch.zeros_like(x)
+    num_tokens, top_k = topk_ids.shape
+    per_pair = torch.zeros(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    token_of = order // topk_ids.shape[1]
     weight_of = topk_weights.flatten()[order]
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        rows = token_of[start : start + count]
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        pairs = order[start : start + count]
+        gate, up = F.linear(x[pairs // top_k], w13[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[expert]) * weight_of[start : start + count, None]
-        out.index_add_(0, rows, y.to(out.dtype))
+        per_pair[pairs] = y.to(x.dtype)
         start += count
-    return out
+    per_pair = per_pair.view(num_tokens, top_k, -1)
+    return per_pair.sum(dim=1, dtype=torch.float32).to(x.dtype) if reduce else per_pair

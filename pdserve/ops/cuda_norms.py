@@ -1,0 +1,123 @@
+"""RMSNorms on CUDA, one Triton launch each: the zero-centred norm with the residual add folded in
+(and the MoE's per-expert rows summed on the way), and the GDN's gated norm.
+
+Semantics are those of `pdserve.ops.layer_ops`; fp32 inside, one rounding per stored tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    parts_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_pt, stride_pp, stride_rt, stride_ot, stride_rot, D, eps,
+    NUM_PARTS: tl.constexpr, SUM_ROUNDS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One row t: x = sum of NUM_PARTS rows (rounded to the activation dtype when SUM_ROUNDS);
+    with a residual, x = round(residual + x) is stored as the new residual; out = x / rms(x) * (1 + w)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.zeros([BLOCK], tl.float32)
+    for p in tl.static_range(NUM_PARTS):
+        x += tl.load(parts_ptr + t * stride_pt + p * stride_pp + offs, mask=mask, other=0.0).to(tl.float32)
+    if SUM_ROUNDS:
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + t * stride_rt + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + t * stride_rot + offs, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_launch(dim: int) -> dict[str, int]:
+    block = triton.next_power_of_2(dim)
+    return dict(BLOCK=block, num_warps=max(1, min(8, block // 256)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] (rows contiguous) -> [T, D] in x's dtype."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    _add_rms_norm_kernel[(x.shape[0],)](
+        x, x, weight, out, out, x.stride(0), 0, 0, out.stride(0), 0, x.shape[1], eps,
+        NUM_PARTS=1, SUM_ROUNDS=False, HAS_RESIDUAL=False, **_row_launch(x.shape[1]),
+    )  # fmt: skip
+    return out
+
+
+def add_rms_norm(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """parts [T, D] or [T, P, D]; residual [T, D] -> (normed, new residual), both [T, D] in residual's
+    dtype; one read of every part and of the residual, one write of each output."""
+    parts3 = parts if parts.dim() == 3 else parts[:, None]
+    if parts3.stride(-1) != 1:
+        parts3 = parts3.contiguous()
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    num_tokens, dim = residual.shape
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    new_residual = torch.empty_like(out)
+    if num_tokens == 0:
+        return out, new_residual
+    _add_rms_norm_kernel[(num_tokens,)](
+        parts3, residual, weight, out, new_residual,
+        parts3.stride(0), parts3.stride(1), residual.stride(0), out.stride(0), new_residual.stride(0),
+        dim, eps,
+        NUM_PARTS=parts3.shape[1], SUM_ROUNDS=parts3.shape[1] > 1, HAS_RESIDUAL=True, **_row_launch(dim),
+    )  # fmt: skip
+    return out, new_residual
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr,
+    stride_xt, stride_xh, stride_zt, stride_zh, num_rows, H, D, eps,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """ROWS (token, head) rows of D: out = round(w * round(x / rms(x))) * silu(z), rounded where
+    transformers' gated norm rounds; out is [T * H, D] contiguous."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    t = (rows // H).to(tl.int64)
+    h = (rows % H).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (offs < D)[None, :]
+    x = tl.load(x_ptr + (t * stride_xt + h * stride_xh)[:, None] + offs[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+    scaled = (w[None, :] * normed).to(x.dtype).to(tl.float32)
+    z = tl.load(z_ptr + (t * stride_zt + h * stride_zh)[:, None] + offs[None, :], mask=mask, other=0.0)
+    zf = z.to(tl.float32)
+    out = scaled * (zf * tl.sigmoid(zf))
+    tl.store(out_ptr + (rows.to(tl.int64) * D)[:, None] + offs[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [T, H, D] (last dim contiguous, any row/head strides); weight [D] -> [T, H * D]."""
+    x, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, gate))
+    num_tokens, num_heads, dim = x.shape
+    out = torch.empty(num_tokens, num_heads * dim, dtype=x.dtype, device=x.device)
+    num_rows = num_tokens * num_heads
+    if num_rows == 0:
+        return out
+    block = triton.next_power_of_2(dim)
+    rows = max(1, min(16, 2048 // block))
+    _gated_rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
+        num_rows, num_heads, dim, eps, ROWS=rows, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out

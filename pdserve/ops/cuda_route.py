@@ -1,0 +1,117 @@
+"""MoE routing on CUDA without a sort: the router's softmax + top-k + renormalise in one Triton
+program per token, and the alignment of (token, k) pairs into per-expert row blocks by counting.
+
+`route_topk` has the semantics of `pdserve.ops.layer_ops.route_topk`. `align_pairs` produces the
+same row layout as `pdserve.ops.cuda_moe`'s torch path (each expert's pairs in pair order, padded to
+whole blocks), in one launch: a histogram of the experts, prefix sums of the padded counts, and one
+`tl.sort` of (expert, pair) keys to rank each pair inside its expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ALIGN_PAIRS = 8192  # one program sorts every pair: decode and small prefills; larger go to torch
+
+
+@triton.jit
+def _route_topk_kernel(
+    logits_ptr, weights_ptr, ids_ptr, stride_lt, E, SHARED_ID,
+    TOP_K: tl.constexpr, OUT_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+    E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+):  # fmt: skip
+    """Token t: probs = softmax(logits[:E]); TOP_K rounds of argmax (lowest id first on ties), the
+    chosen weights renormalised; with HAS_SHARED a last pair (SHARED_ID, sigmoid(logits[E]))."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    probs = p / tl.sum(p, axis=0)
+    offs_k = tl.arange(0, K_PAD)
+    chosen_w = tl.zeros([K_PAD], tl.float32)
+    chosen_id = tl.zeros([K_PAD], tl.int32)
+    remaining = tl.where(offs < E, probs, -1.0)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        best_id = tl.min(tl.where(remaining == best, offs, E_PAD), axis=0)
+        chosen_w = tl.where(offs_k == k, best, chosen_w)
+        chosen_id = tl.where(offs_k == k, best_id, chosen_id)
+        remaining = tl.where(offs == best_id, -1.0, remaining)
+    chosen_w = chosen_w / tl.sum(chosen_w, axis=0)
+    if HAS_SHARED:
+        gate = tl.sigmoid(tl.load(logits_ptr + t * stride_lt + E).to(tl.float32))
+        chosen_w = tl.where(offs_k == TOP_K, gate, chosen_w)
+        chosen_id = tl.where(offs_k == TOP_K, SHARED_ID, chosen_id)
+    out = offs_k < OUT_K
+    tl.store(weights_ptr + t * OUT_K + offs_k, chosen_w.to(weights_ptr.dtype.element_ty), mask=out)
+    tl.store(ids_ptr + t * OUT_K + offs_k, chosen_id.to(tl.int64), mask=out)
+
+
+def route_topk(logits: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] or [T, E + 1] (last dim contiguous) -> (weights [T, K'], ids int64 [T, K'])."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_tokens = logits.shape[0]
+    has_shared = logits.shape[1] == num_experts + 1
+    out_k = top_k + int(has_shared)
+    weights = torch.empty(num_tokens, out_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(num_tokens, out_k, dtype=torch.int64, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    e_pad = triton.next_power_of_2(num_experts)
+    _route_topk_kernel[(num_tokens,)](
+        logits, weights, ids, logits.stride(0), num_experts, num_experts,
+        TOP_K=top_k, OUT_K=out_k, HAS_SHARED=has_shared, E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(out_k), num_warps=max(1, min(4, e_pad // 128)),
+    )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
+def _align_pairs_kernel(
+    ids_ptr, pair_of_row_ptr, scratch_ptr, num_pairs, num_rows, E,
+    BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    """One program. Expert e's pairs take rows padded_start[e] + rank, rank = the pair's place among
+    e's pairs in pair order, padded_start = exclusive prefix sum of counts rounded up to BLOCK_M;
+    every other row is -1."""
+    offs = tl.arange(0, P_PAD)
+    valid = offs < num_pairs
+    experts = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    experts = tl.where(valid, experts, E)  # padding lanes sort last, into a bin past the experts
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.where(offs_e < E, tl.histogram(experts, E_PAD), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    # row of the i-th pair in (expert, pair) order = i + (padded_start - start) of its expert
+    shift = (tl.cumsum(padded, axis=0) - padded) - (tl.cumsum(counts, axis=0) - counts)
+    tl.store(scratch_ptr + offs_e, shift)
+    for start in range(0, num_rows, FILL):
+        rows = start + tl.arange(0, FILL)
+        tl.store(pair_of_row_ptr + rows, tl.full([FILL], -1, tl.int64), mask=rows < num_rows)
+    tl.debug_barrier()  # the shifts and the -1 fill are visible to every thread before the scatter
+    keys = tl.sort(experts * P_PAD + offs)
+    sorted_experts = keys // P_PAD
+    in_expert = sorted_experts < E
+    rows = offs + tl.load(scratch_ptr + sorted_experts, mask=in_expert, other=0)
+    tl.store(pair_of_row_ptr + rows, (keys % P_PAD).to(tl.int64), mask=in_expert)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """topk_ids [T, K] (at most MAX_ALIGN_PAIRS pairs) -> the pair index of each padded row, -1 for
+    padding: int64 [(ceil(T*K / block_m) + num_experts) * block_m]. Sizes depend only on the shapes."""
+    flat = topk_ids.flatten()
+    num_pairs = flat.shape[0]
+    if num_pairs > MAX_ALIGN_PAIRS:
+        raise ValueError(f"align_pairs: {num_pairs} pairs, at most {MAX_ALIGN_PAIRS} in one program")
+    num_rows = (triton.cdiv(num_pairs, block_m) + num_experts) * block_m
+    pair_of_row = torch.empty(num_rows, dtype=torch.int64, device=flat.device)
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    scratch = torch.empty(e_pad, dtype=torch.int32, device=flat.device)
+    p_pad = max(16, triton.next_power_of_2(num_pairs))
+    _align_pairs_kernel[(1,)](
+        flat, pair_of_row, scratch, num_pairs, num_rows, num_experts,
+        BLOCK_M=block_m, P_PAD=p_pad, E_PAD=e_pad, FILL=1024, num_warps=4 if p_pad <= 1024 else 8,
+    )  # fmt: skip
+    return pair_of_row

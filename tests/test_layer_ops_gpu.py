@@ -1,0 +1,174 @@
+"""The CUDA per-layer ops (`pdserve.ops.cuda_layers`, the MoE alignment of `pdserve.ops.cuda_route`)
+against the CPU reference on fresh random inputs at the Qwen3.6 shapes and odd sizes, fp32 and bf16,
+outputs poisoned first; and a CUDA-graph capture of them all. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import ops
+from pdserve.ops import reference_layers as ref
+from pdserve.ops.moe import fused_moe, fused_moe_reference
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOKENS = [1, 7, 33]
+H, HKV, D, ROT = 16, 2, 256, 64  # gated attention heads, rotary channels
+HV, DV, HIDDEN, E, K = 32, 128, 2048, 256, 8
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape and got.dtype == want.dtype and torch.isfinite(got).all()
+    return ((got.double().cpu() - want.double().cpu()).norm() / want.double().cpu().norm()).item()
+
+
+def dev(*xs: torch.Tensor) -> list[torch.Tensor]:
+    return [x.to(DEVICE) for x in xs]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_norms(dtype: torch.dtype, tokens: int) -> None:
+    x, residual = torch.randn(tokens, HIDDEN).to(dtype), torch.randn(tokens, HIDDEN).to(dtype)
+    parts, weight = torch.randn(tokens, K + 1, HIDDEN).to(dtype), (torch.randn(HIDDEN) * 0.3).to(dtype)
+    assert rel_err(ops.rms_norm(*dev(x, weight), 1e-6), ref.rms_norm(x, weight, 1e-6)) < TOL[dtype]
+    for p in (x, parts):
+        got = ops.add_rms_norm(*dev(p, residual, weight), 1e-6)
+        want = ref.add_rms_norm(p, residual, weight, 1e-6)
+        assert rel_err(got[0], want[0]) < TOL[dtype] and rel_err(got[1], want[1]) < TOL[dtype]
+        if p is x:  # one part: the residual add is the unfused add, bit for bit
+            assert torch.equal(got[1].cpu(), want[1])
+    z_source = torch.randn(tokens, 3 * HV * DV).to(dtype)  # z: a strided slice, as in_proj's
+
+    def z_of(source: torch.Tensor) -> torch.Tensor:
+        return source[:, HV * DV : 2 * HV * DV].view(tokens, HV, DV)
+
+    gx, gw = torch.randn(tokens, HV, DV).to(dtype), (1 + torch.randn(DV) * 0.3).to(dtype)
+    got = ops.gated_rms_norm(gx.to(DEVICE), z_of(z_source.to(DEVICE)), gw.to(DEVICE), 1e-6)
+    assert rel_err(got, ref.gated_rms_norm(gx, z_of(z_source), gw, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_qk_norm_rope_store_and_output_gate(dtype: torch.dtype, tokens: int) -> None:
+    from pdserve.model.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(ROT, 1e7, 4096)
+    qkv = torch.randn(tokens, (2 * H + 2 * HKV) * D).to(dtype)
+    qw, kw = (torch.randn(D) * 0.3).to(dtype), (torch.randn(D) * 0.3).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,))
+    slots = torch.randperm(40 * 16)[:tokens]
+    kv = torch.full((2, 40, 16, HKV, D), float("nan")).to(dtype)
+    want_kv = kv.clone()
+    args = (rotary.cos_cache, rotary.sin_cache, positions)
+    want_q, want_gate = ref.qk_norm_rope_store(qkv, H, qw, kw, 1e-6, *args, want_kv, slots)
+    got_kv = kv.to(DEVICE)
+    got_q, got_gate = ops.qk_norm_rope_store(*dev(qkv), H, *dev(qw, kw), 1e-6, *dev(*args), got_kv,
+                                             slots.to(DEVICE))  # fmt: skip
+    assert rel_err(got_q, want_q) < TOL[dtype] and torch.equal(got_gate.cpu(), want_gate)
+    written = got_kv.cpu().view(2, -1, HKV, D)
+    assert rel_err(written[0, slots], want_kv.view(2, -1, HKV, D)[0, slots]) < TOL[dtype]
+    assert torch.equal(written[1, slots], want_kv.view(2, -1, HKV, D)[1, slots])
+    assert torch.equal(got_kv.cpu().isnan(), want_kv.isnan())  # no other slot written
+    o = torch.randn(tokens, H, D).to(dtype)
+    assert rel_err(ops.output_gate(o.to(DEVICE), got_gate), ref.output_gate(o, want_gate)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_gates(dtype: torch.dtype) -> None:
+    ab = (torch.randn(37, 2 * HV + 5) * 6).to(dtype)  # a and b: strided slices, as in_proj's
+    A_log, dt_bias = (torch.rand(HV) * 2.7).to(dtype), torch.randn(HV).to(dtype)
+    ab_dev = ab.to(DEVICE)
+    g, beta = ops.gdn_gates(ab_dev[:, 5 : 5 + HV], ab_dev[:, 5 + HV :], *dev(A_log, dt_bias))
+    want_g, want_beta = ref.gdn_gates(ab[:, 5 : 5 + HV], ab[:, 5 + HV :], A_log, dt_bias)
+    assert rel_err(g, want_g) < 1e-5 and rel_err(beta, want_beta) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [False, True])
+def test_route_topk(dtype: torch.dtype, shared: bool) -> None:
+    logits = (torch.randn(45, E + 1) * 2).to(dtype)
+    logits[3, 10:20] = logits[3, 30]  # ties: any of equal experts may be chosen, the weights agree
+    if not shared:
+        logits = logits[:, :E]
+    weights, ids = ops.route_topk(logits.to(DEVICE), E, K)
+    want_w, want_ids = ref.route_topk(logits, E, K)
+    probs = torch.softmax(logits[:, :E].float(), dim=-1)
+    got_probs = probs.gather(1, ids[:, :K].cpu())
+    assert torch.allclose(got_probs, probs.gather(1, want_ids[:, :K]), rtol=1e-6, atol=0)
+    assert all(len(set(row)) == K for row in ids[:, :K].tolist())
+    assert rel_err(weights, want_w) < TOL[dtype]
+    assert torch.equal(ids[:, K:].cpu(), want_ids[:, K:])  # the shared expert's id, when present
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 32, 300, 900])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_pairs_equals_sorted_layout(tokens: int, block_m: int) -> None:
+    """The counting alignment lays out exactly the rows the device-sort path does."""
+    from pdserve.ops import cuda_moe, cuda_route
+
+    ids = torch.randn(tokens, E).topk(K, dim=-1).indices
+    ids = torch.cat([ids, torch.full((tokens, 1), E)], dim=1).to(DEVICE)  # the folded shared expert
+    got = cuda_route.align_pairs(ids, E + 1, block_m)
+    limit, cuda_moe.MAX_ALIGN_PAIRS = cuda_moe.MAX_ALIGN_PAIRS, 0
+    try:
+        want = cuda_moe._pairs_by_expert(ids, E + 1, block_m)
+    finally:
+        cuda_moe.MAX_ALIGN_PAIRS = limit
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("tokens", [4, 33])
+def test_fused_moe_unreduced_with_folded_shared_expert(tokens: int) -> None:
+    x = torch.randn(tokens, HIDDEN, device=DEVICE).bfloat16()
+    w13 = (torch.randn(E + 1, 1024, HIDDEN, device=DEVICE) * HIDDEN**-0.5).bfloat16()
+    w2 = (torch.randn(E + 1, HIDDEN, 512, device=DEVICE) * 512**-0.5).bfloat16()
+    weights, ids = ops.route_topk(torch.randn(tokens, E + 1, device=DEVICE).bfloat16(), E, K)
+    got = fused_moe(x, w13, w2, weights, ids, reduce=False)
+    want = fused_moe_reference(x.float(), w13.float(), w2.float(), weights.float(), ids, reduce=False)
+    assert got.shape == (tokens, K + 1, HIDDEN) and rel_err(got.float(), want) < 1e-2
+
+
+def test_layer_ops_capture_in_a_cuda_graph() -> None:
+    """Sync-free: the ops capture in one CUDA graph and replays equal eager calls."""
+    from pdserve.model.layers import RotaryEmbedding
+
+    tokens, dtype = 8, torch.bfloat16
+    rotary = RotaryEmbedding(ROT, 1e7, 4096).to(DEVICE)
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=dtype)
+    w = torch.randn(HIDDEN, device=DEVICE, dtype=dtype) * 0.3
+    qkv = torch.randn(tokens, (2 * H + 2 * HKV) * D, device=DEVICE, dtype=dtype)
+    dw = torch.randn(D, device=DEVICE, dtype=dtype) * 0.3
+    positions, slots = torch.randint(0, 4096, (tokens,), device=DEVICE), torch.arange(tokens, device=DEVICE)
+    kv = torch.zeros(2, 4, 16, HKV, D, device=DEVICE, dtype=dtype)
+    ab = torch.randn(tokens, 2 * HV, device=DEVICE, dtype=dtype)
+    logits = torch.randn(tokens, E + 1, device=DEVICE, dtype=dtype)
+
+    def step() -> list[torch.Tensor]:
+        normed, residual = ops.add_rms_norm(x[:, None].expand(-1, 3, -1), x, w, 1e-6)
+        q, gate = ops.qk_norm_rope_store(qkv, H, dw, dw, 1e-6, rotary.cos_cache, rotary.sin_cache,
+                                         positions, kv, slots)  # fmt: skip
+        g, beta = ops.gdn_gates(ab[:, :HV], ab[:, HV:], w[:HV].float(), w[HV : 2 * HV])
+        weights, ids = ops.route_topk(logits, E, K)
+        from pdserve.ops.cuda_route import align_pairs
+
+        return [normed, residual, q, ops.output_gate(q, gate), g, beta, weights, ids.float(),
+                align_pairs(ids, E + 1, 16).float(), ops.gated_rms_norm(q, q, dw, 1e-6)]  # fmt: skip
+
+    eager = step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager, strict=True):
+        assert torch.equal(got, want)
