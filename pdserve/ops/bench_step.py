@@ -1,0 +1,126 @@
+"""Profile one graph-replayed decode step at the full Qwen3.6-35B-A3B shape (random bf16 weights):
+`python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--tag NAME]`.
+
+For each batch size `c`: `c` sequences of `--context` tokens (random K/V and GDN states), one decode
+token each, replayed from a CUDA graph. Prints the wall time per step (host input copies + replay),
+the GPU time per step (CUDA events around back-to-back replays), and torch.profiler's kernel table
+(kernels per step, time per step by kernel). Uses only the engine's stable pieces (ModelRunner,
+DecodeGraphs, ForwardBatch), so the same file profiles an older checkout for a before/after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.bench import QWEN36_35B_A3B
+from pdserve.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.model.forward_batch import ForwardBatch
+
+FLOOR_MS = {4: 2.8, 16: 7.4, 32: 11.6}  # the bandwidth floor of a step (shared/design.md)
+
+
+def decode_batch(runner: ModelRunner, concurrency: int, context: int) -> ForwardBatch:
+    kv, states, page = runner.kv_pool, runner.state_pool, runner.config.page_size
+    gen = torch.Generator().manual_seed(concurrency)
+    tokens = torch.randint(0, 200_000, (concurrency,), generator=gen).tolist()
+    tables = [kv.allocate(kv.pages_for(context + 1)) for _ in range(concurrency)]
+    slots = [states.allocate() for _ in range(concurrency)]
+    inputs = [[t] for t in tokens]
+    return ForwardBatch.build(inputs, [context] * concurrency, tables, slots, page, runner.device)
+
+
+def kernel_table(prof: torch.profiler.profile, steps: int) -> tuple[float, float, list]:
+    """(kernel ms per step, launches per step, [(kernel, us per step, launches per step)] by time)."""
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+        if device_us > 0 and e.count > 0:
+            rows.append((e.key, device_us / steps, e.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    return sum(r[1] for r in rows) / 1e3, sum(r[2] for r in rows), rows
+
+
+def profile(runner: ModelRunner, graphs: DecodeGraphs, concurrency: int, context: int, save: Path | None,
+            tag: str) -> dict:  # fmt: skip
+    batch = decode_batch(runner, concurrency, context)
+    logits = graphs.replay(batch).float().cpu()
+    if save is not None:
+        torch.save(logits, save / f"logits_{tag}_c{concurrency}.pt")
+    for _ in range(3):
+        graphs.replay(batch)
+    torch.cuda.synchronize()
+    steps = 20
+    start = time.perf_counter()
+    for _ in range(steps):
+        graphs.replay(batch)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / steps * 1e3
+    graph = graphs.graphs[concurrency]
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    gpu_ms = begin.elapsed_time(end) / steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernel_ms, kernels, rows = kernel_table(prof, 10)
+    floor = FLOOR_MS.get(concurrency)
+    print(f"\n[{tag}] c={concurrency}: wall {wall_ms:.2f} ms/step, GPU {gpu_ms:.2f} ms/step "
+          f"(kernels {kernel_ms:.2f} ms, {kernels:.0f} launches), floor {floor} ms")  # fmt: skip
+    for name, per_step_us, count in rows[:14]:
+        print(f"  {per_step_us / 1e3:7.3f} ms  {count:5.0f}x  {name[:90]}")
+    return {"tag": tag, "concurrency": concurrency, "context": context, "wall_ms": wall_ms,
+            "gpu_ms": gpu_ms, "kernel_ms": kernel_ms, "kernels": kernels, "floor_ms": floor,
+            "top": [(n[:120], t, c) for n, t, c in rows[:25]]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 32])
+    parser.add_argument("--context", type=int, default=1100)
+    parser.add_argument("--tag", default="pdserve")
+    parser.add_argument("--save-logits", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="append the results as JSON lines here")
+    args = parser.parse_args()
+    max_c = max(args.concurrency)
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))
+        start = time.perf_counter()
+        num_seqs = sum(args.concurrency) + 1  # every batch's sequences, and the graphs' padding row
+        config = EngineConfig(model=tmp, device="cuda", load_format="dummy", max_num_seqs=max_c,
+                              max_model_len=args.context + 64, enforce_eager=True, num_state_slots=num_seqs,
+                              num_kv_pages=num_seqs * (args.context // 16 + 8))  # fmt: skip
+        runner = ModelRunner(config)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        runner.kv_pool.kv.normal_(0.0, 1.0, generator=gen)  # never time on zeros
+        runner.state_pool.recurrent.normal_(0.0, 0.05, generator=gen)
+        runner.state_pool.conv.normal_(0.0, 1.0, generator=gen)
+        graphs = DecodeGraphs(runner.model, runner.kv_pool, runner.state_pool, max_c,
+                              runner.kv_pool.pages_for(config.max_model_len))  # fmt: skip
+        graphs.sizes = sorted(args.concurrency)
+        graphs.capture()
+        print(f"[{args.tag}] model, pools and {len(graphs.sizes)} graphs ready in "
+              f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+        results = [
+            profile(runner, graphs, c, args.context, args.save_logits, args.tag) for c in args.concurrency
+        ]
+    if args.out is not None:
+        with args.out.open("a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
