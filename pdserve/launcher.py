@@ -12,9 +12,11 @@ Lifecycle:
               (or --colocate): ONE `pdserve engine` process holding both roles (weights once)
   5. router   `pdserve router --port P`, then poll http://HOST:P/health until it answers 200
               with the prefill and decode instances live (a child dying here fails the start)
-  6. serve    print the URL; a child that dies is restarted with backoff (pdserve.supervisor)
-  7. stop     on SIGINT/SIGTERM: the router (SIGTERM, --shutdown-timeout to drain its streams),
-              then the services, then Redis; SIGKILL for those that outstay their time
+  6. serve    print the URL; a child that dies is restarted with backoff (pdserve.supervisor),
+              the private Redis on its port
+  7. stop     on SIGINT/SIGTERM: the router (SIGTERM; it drains for --shutdown-timeout, then
+              ends open streams with an error event), then the services, then Redis; SIGKILL
+              for those that outstay their time
 
 Children run in their own process groups (a terminal's Ctrl-C reaches only the launcher) and
 die with the launcher, even when it is SIGKILLed (pdserve.supervisor).
@@ -48,6 +50,7 @@ __all__ = ["add_arguments", "add_engine_arguments", "engine_config_from_args", "
 
 CLI = (sys.executable, "-m", "pdserve.cli")  # how a child pdserve command starts
 SERVICE_GRACE_S = 10.0
+ROUTER_EXIT_S = 5.0  # after its --shutdown-timeout: the router's error events, then its exit
 SECRET_ENVS = ("PDSERVE_INTERNAL_SECRET_FILE", "PDSERVE_INTERNAL_SECRET")
 
 
@@ -64,11 +67,6 @@ def health(url: str) -> dict | None:
         return None
 
 
-def local_host(host: str) -> str:
-    """An address to reach a server listening on `host` from this machine."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
 def split_redis_password(url: str) -> tuple[str, str | None]:
     """(the URL without its password, the password or None): the password travels apart."""
     parts = urllib.parse.urlsplit(url)
@@ -80,8 +78,7 @@ def split_redis_password(url: str) -> tuple[str, str | None]:
 
 
 class Stack:
-    """The children of one `pdserve up`, supervised, and stopped in order: router, services,
-    Redis. Holds the private folder of the generated internal secret."""
+    """The children of one `pdserve up` (and the private folder of its secret), supervised."""
 
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # mode 0700
@@ -128,13 +125,18 @@ class Stack:
         for child in self.children:
             child.poll_restart(now)
         if self.redis is not None and not is_running(self.redis.pid or 0):
-            return "the private redis-server died (the services know only its port): stopping"
+            say("the private redis-server died: starting it again on its port")
+            try:
+                self.redis.restart()  # empty: the services register again within a heartbeat
+            except RuntimeError as e:
+                return f"the private redis-server died and did not start again: {e}"
+            say(f"restarted redis (pid {self.redis.pid})")
         return None
 
     def stop(self, shutdown_timeout_s: float, hurry: threading.Event) -> None:
         if self.router is not None:
-            say(f"stopping the router (up to {shutdown_timeout_s:.0f}s for open streams)")
-            stop_children([self.router], shutdown_timeout_s, hurry)
+            say(f"stopping the router (up to {shutdown_timeout_s:g}s for open streams)")
+            stop_children([self.router], shutdown_timeout_s + ROUTER_EXIT_S, hurry)
         if self.services:
             say(f"stopping {len(self.services)} service(s)")
             stop_children(self.services, SERVICE_GRACE_S, hurry)
@@ -187,6 +189,7 @@ def spawn(args: argparse.Namespace, stack: Stack, plan: list[layout.ServiceProce
         stack.services.append(Child(p.name, argv, env))
         say(f"started {p.name} (pid {stack.services[-1].pid})" + (f" on GPU {p.gpu}" if p.gpu else ""))
     argv = [*CLI, "router", *model_args, "--host", args.host, "--port", str(args.port)]
+    argv += ["--shutdown-timeout", str(args.shutdown_timeout)]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
     if args.max_model_len is not None:
@@ -198,7 +201,8 @@ def spawn(args: argparse.Namespace, stack: Stack, plan: list[layout.ServiceProce
 
 def wait_ready(args: argparse.Namespace, stack: Stack, want: dict[str, int], stop: threading.Event) -> str:
     """Step 5: poll the router's /health until every instance is live; returns the router URL."""
-    url = f"http://{local_host(args.host)}:{args.port}"
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(args.host, args.host)
+    url = f"http://{host}:{args.port}"
     deadline, last = time.monotonic() + args.startup_timeout, None
     while True:
         failure = stack.failure()

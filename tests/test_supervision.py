@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import httpx
@@ -59,7 +60,18 @@ def chat(url: str) -> str:
     return reply.choices[0].finish_reason
 
 
-def test_a_killed_decode_child_is_restarted_and_serves_again(tmp_path, tiny_model_dir) -> None:
+def serves_within(url: str, seconds: float, log: UpProcess) -> str:
+    """The finish reason of the first chat request that succeeds within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return chat(url)
+        except openai.APIError:
+            assert time.monotonic() < deadline, log.output()
+            time.sleep(0.5)
+
+
+def test_a_killed_decode_child_and_redis_are_restarted_and_serve_again(tmp_path, tiny_model_dir) -> None:
     up = UpProcess(tmp_path, model=tiny_model_dir).start()
     try:
         assert chat(up.url) in ("stop", "length")
@@ -70,14 +82,12 @@ def test_a_killed_decode_child_is_restarted_and_serves_again(tmp_path, tiny_mode
         up.wait_for(r"restarted decode-0 \(pid \d+", 10, after=mark)
         new = up.children()["decode-0"]
         assert new != old and is_running(new)
-        deadline, served = time.monotonic() + 60, None
-        while served is None:  # the new decode registers under the same instance id
-            try:
-                served = chat(up.url)
-            except openai.APIError:
-                assert time.monotonic() < deadline, up.output()
-                time.sleep(0.5)
-        assert served in ("stop", "length")
+        # the only decode instance: served means the new one registered under decode-0
+        assert serves_within(up.url, 60, up) in ("stop", "length")
+        os.kill(up.children()["redis"], signal.SIGKILL)  # the private Redis comes back on its port
+        up.wait_for(r"restarted redis \(pid \d+", 20, after=mark)
+        time.sleep(1.0)  # the router's next refresh sees the empty Redis
+        assert serves_within(up.url, 30, up) in ("stop", "length")
         assert up.proc.poll() is None, "the launcher stopped the stack"
     finally:
         assert up.stop() == 0, up.output()
@@ -133,10 +143,26 @@ def test_no_secret_or_password_is_on_any_command_line(tmp_path, tiny_model_dir) 
     assert not os.path.exists(secret_file)
 
 
-def test_ctrl_c_stops_the_router_first_and_redis_last(tmp_path, tiny_model_dir) -> None:
-    up = UpProcess(tmp_path, model=tiny_model_dir).start()
+def test_ctrl_c_drains_the_router_first_and_stops_redis_last(tmp_path, tiny_model_dir) -> None:
+    up = UpProcess(tmp_path, "--shutdown-timeout", "1", model=tiny_model_dir).start()
     children = up.children()
     assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
+    lines: list[str] = []
+    streaming = threading.Event()
+
+    model = httpx.get(f"{up.url}/v1/models").json()["data"][0]["id"]
+
+    def long_stream() -> None:  # ~3,000 tokens: still open when the drain times out
+        body = {"model": model, "prompt": "Hi", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{up.url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                if line.startswith("data: "):
+                    streaming.set()
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    assert streaming.wait(30), lines
     os.killpg(up.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     gone_at: dict[str, float] = {}
     deadline = time.monotonic() + 60
@@ -146,10 +172,13 @@ def test_ctrl_c_stops_the_router_first_and_redis_last(tmp_path, tiny_model_dir) 
                 gone_at[name] = time.monotonic()
         time.sleep(0.01)
     assert up.proc.wait(30) == 0, up.output()
+    reader.join(30)
     assert set(gone_at) == set(children), up.output()
     services = [gone_at[name] for name in ("prefill-0", "decode-0")]
     assert gone_at["router"] <= min(services), gone_at
     assert max(services) <= gone_at["redis"], gone_at
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
 
 
 @pytest.fixture(autouse=True)
