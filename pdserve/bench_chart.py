@@ -21,7 +21,7 @@ def chart_svg(results: list[dict], title: str, reference: dict[int, float] = VLL
     groups = [
         (
             r["concurrency"],
-            [r["output_tok_s"], VLLM_TOK_S.get(r["concurrency"]), ROOFLINE_TOK_S.get(r["concurrency"])],
+            [r["output_tok_s"], reference.get(r["concurrency"]), ROOFLINE_TOK_S.get(r["concurrency"])],
         )
         for r in results
     ]
