@@ -10,12 +10,15 @@ import json
 import random
 import signal
 import time
+from dataclasses import asdict
 
 import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.messages import DecodeStart, Lease
 from pdserve.registry import InstanceRegistry
+from pdserve.rpc import RpcClient, RpcError
 from tests.stack import Stack
 
 PROMPTS = [
@@ -171,22 +174,23 @@ def test_redis_restart_registry_and_prefixes_come_back(stack: Stack) -> None:
 def test_decode_killed_mid_stream(stack: Stack) -> None:
     """Streams on the killed decode get an error event within 1 s; the others finish."""
 
-    async def stream(client: httpx.AsyncClient, i: int, killed: dict) -> tuple[str, float]:
+    async def stream(client: httpx.AsyncClient, i: int, state: dict) -> tuple[str, float]:
         async with client.stream("POST", "/v1/completions", json=body(PROMPTS[i], 460)) as response:
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return "error", time.monotonic() - killed["at"]
+                state["streaming"].add(i)
+                if "error" in json.loads(line[6:]):
+                    return "error", time.monotonic() - state["killed"]
         return "done", 0.0
 
     async def run() -> list[tuple[str, float]]:
-        killed = {}
+        state = {"streaming": set(), "killed": 0.0}
         async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
-            calls = [asyncio.create_task(stream(client, i, killed)) for i in range(8)]
-            await asyncio.sleep(1.5)  # every stream is decoding by now
-            killed["at"] = time.monotonic()
+            calls = [asyncio.create_task(stream(client, i, state)) for i in range(8)]
+            while len(state["streaming"]) < 8:  # every stream is decoding
+                await asyncio.sleep(0.01)
+            state["killed"] = time.monotonic()
             stack.kill("decode-0")
             return await asyncio.gather(*calls)
 
@@ -195,6 +199,40 @@ def test_decode_killed_mid_stream(stack: Stack) -> None:
     assert errors and len(errors) < len(results), results  # both decode instances had streams
     assert max(errors) < 1.0, f"an error event came {max(errors):.2f} s after the kill"
     stack.restart("decode-0")
+    stack.wait_healthy(120)
+
+
+def test_forged_decode_calls_get_an_error_not_text(stack: Stack) -> None:
+    """With the internal secret (a compromised router, say): a lease naming a real prefill
+    instance's pages with a made-up lease id is read, refused by its holder and never decoded; a
+    lease naming an agent outside the registry is refused without dialing anything."""
+
+    async def forge(agent: str) -> RpcError:
+        view = await registry_view(stack)
+        decode = next(i for i in view if i.startswith("decode:"))
+        async with InstanceRegistry(stack.redis.url, password=stack.redis.password) as registry:
+            address = next(
+                i.address for i in await registry.instances("decode") if f"decode:{i.instance_id}" == decode
+            )
+        lease = Lease("forged", "0" * 32, agent, kv_pages=[0, 1], state_slot=0, num_tokens=20)
+        start = DecodeStart("forged", list(range(1, 21)), asdict(SamplingParams(max_tokens=8)), 5, lease)
+        client = RpcClient(address, "pdserve.Decode")
+        try:
+            async for event in client.stream("decode", start.to_wire()):
+                raise AssertionError(f"a forged call streamed {event}")
+        except RpcError as e:
+            return e
+        finally:
+            await client.close()
+        raise AssertionError("the forged call ended without an error")
+
+    real_agent = next(
+        v["extra"]["agent"] for k, v in asyncio.run(registry_view(stack)).items() if k.startswith("prefill:")
+    )
+    refused = asyncio.run(forge(real_agent))
+    assert refused.code == "ABORTED" and "was not used" in refused.message, refused
+    outside = asyncio.run(forge("evil-instance#00000000"))
+    assert outside.code == "ABORTED" and "not in the registry" in outside.message, outside
 
 
 def test_router_sigterm_drains(stack: Stack) -> None:
