@@ -11,17 +11,14 @@ and no bytes move (no NIXL agent either).
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from decode_svc.server import decode_server
 from decode_svc.service import DecodeService
-from pdserve.service_process import run_service
+from pdserve.service_process import run_service, service_main
 from pdserve.serving import (
     EngineHost,
     ServiceConfig,
     add_service_arguments,
-    service_config_from_args,
-    start_logging,
 )
 from prefill_svc.server import prefill_server
 from prefill_svc.service import PrefillService
@@ -41,6 +38,4 @@ async def serve(config: ServiceConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    start_logging()
-    asyncio.run(serve(service_config_from_args(args)))
-    return 0
+    return service_main(serve, args, "engine")

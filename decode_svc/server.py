@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from decode_svc.service import DecodeService
 from pdserve.rpc import RpcServer
-from pdserve.service_process import run_service
+from pdserve.service_process import run_service, service_main
 from pdserve.serving import (
     EngineHost,
     ServiceConfig,
     add_service_arguments,
-    service_config_from_args,
-    start_logging,
 )
 
 
@@ -33,6 +30,4 @@ async def serve(config: ServiceConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    start_logging()
-    asyncio.run(serve(service_config_from_args(args)))
-    return 0
+    return service_main(serve, args, "decode")

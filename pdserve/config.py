@@ -209,10 +209,17 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # the hybrid prefix cache (docs/prefix-cache.md)
     prefix_block_size: int = 64  # tokens per cache block (a multiple of page_size)
     num_prefix_checkpoints: int = 32  # GDN state checkpoints kept on the device
+    # what the engine serves: "prefill" captures no decode graphs (it never decodes), "decode"
+    # keeps no prefix cache (it never fills one), "both" (offline, or one engine on one GPU)
+    role: str = "both"
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
         self.model_config = ModelConfig.from_pretrained(self.model)
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be 'both', 'prefill' or 'decode', got {self.role!r}")
+        if self.role == "decode":
+            self.enable_prefix_caching = False
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype == "auto":

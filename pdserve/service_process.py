@@ -9,16 +9,18 @@ and the registry and prefix ownership come back by themselves when Redis does.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
 import socket
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from pdserve.registry import InstanceInfo, InstanceRegistry
 from pdserve.rpc import RpcServer, join_host_port
-from pdserve.serving import EngineHost, ServiceConfig
+from pdserve.serving import EngineHost, ServiceConfig, service_config_from_args, start_logging
 
 log = logging.getLogger("pdserve.serving")
 
@@ -119,3 +121,17 @@ async def run_service(
             await server.stop(grace=2.0)
         host.stop()
         log.info("%s %s stopped", "+".join(servers), instance_id)
+
+
+def service_main(
+    serve: Callable[[ServiceConfig], Awaitable[None]], args: argparse.Namespace, role: str
+) -> int:
+    """`pdserve prefill|decode|engine`: serve until a signal. A configuration that cannot start
+    (it does not fit in memory, a bad checkpoint, a port taken) stops with one line, no traceback."""
+    start_logging()
+    try:
+        asyncio.run(serve(service_config_from_args(args, role)))
+    except (ValueError, OSError) as e:
+        print(f"pdserve {role}: cannot start: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0

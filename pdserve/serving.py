@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import secrets
 import socket
@@ -67,15 +68,16 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         )
 
 
-def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    """The `ServiceConfig` of the flags of `add_service_arguments`."""
+def service_config_from_args(args: argparse.Namespace, role: str) -> ServiceConfig:
+    """The `ServiceConfig` of the flags of `add_service_arguments(parser, role)`."""
     optional = {
         "handoff_timeout_s": getattr(args, "handoff_timeout", None),
         "max_queued_requests": getattr(args, "max_queued_requests", None),
         "transfer_timeout_s": getattr(args, "transfer_timeout", None),
     }
+    engine = dataclasses.replace(engine_config_from_args(args), role="both" if role == "engine" else role)
     return ServiceConfig(
-        engine=engine_config_from_args(args),
+        engine=engine,
         instance_id=args.instance_id,
         host=args.host,
         port=args.port,

@@ -21,7 +21,9 @@ def request(rid: str, prompt: list[int], **params) -> dict:
 
 
 def service_on(tiny_model_dir, **engine) -> PrefillService:
-    config = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=64, **engine)
+    config = EngineConfig(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=64, **engine
+    )
     return PrefillService(EngineHost(ServiceConfig(engine=config, instance_id="prefill-test")))
 
 
@@ -94,7 +96,9 @@ def test_expired_lease_is_not_intact_and_cancel_aborts_queued_work(tiny_model_di
             release = {"request_id": "a", "lease_id": first["lease"]["lease_id"], "pulled": True}
             assert (await service.release(release))["intact"] is False
             service.engine.scheduler.lease_ttl_s = 60.0
-            stream = service.prefill({"requests": [request(f"q{i}", [1, 2, i], max_tokens=4) for i in range(4)]})
+            stream = service.prefill(
+                {"requests": [request(f"q{i}", [1, 2, i], max_tokens=4) for i in range(4)]}
+            )
             held = await asyncio.wait_for(anext(stream), timeout=30)  # one slot: the rest stay queued
             await stream.aclose()  # the router went away
             await service.abort({"request_ids": [held["request_id"]]})

@@ -17,6 +17,11 @@ from pdserve.weights import init_dummy_weights, load_weights
 logger = logging.getLogger(__name__)
 CPU_KV_BUDGET_BYTES = 256 << 20
 ACTIVATION_RESERVE_BYTES = 4 << 30  # a prefill pass's activations (and, later, CUDA graphs)
+GIB = 1 << 30
+
+
+class MemoryPlanError(ValueError):
+    """The configuration cannot fit on the device; the message is one line naming the numbers."""
 
 
 class ModelRunner:
@@ -37,7 +42,8 @@ class ModelRunner:
         else:
             load_weights(model, config.model, cfg)
         self.model = model.eval()
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # a prefill-only engine never decodes: no decode graphs (and no padding page and slot)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.role != "prefill"
         self.reserved = 1 if use_graphs else 0  # a page and a slot for the graphs' padding rows
         self.state_pool = GdnStatePool(
             cfg,
@@ -71,13 +77,43 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * c.gpu_memory_utilization - (total - free) - ACTIVATION_RESERVE_BYTES
             pages = int(budget // per_page) - self.reserved
+            if pages < floor:
+                raise MemoryPlanError(self._plan_line(budget, total, free, floor * per_page))
         else:
             pages = min(c.max_num_seqs * floor, CPU_KV_BUDGET_BYTES // per_page)
-        if pages < floor:
-            raise ValueError(
-                f"memory for {pages} KV pages cannot hold one sequence of max_model_len {c.max_model_len}"
-            )
-        return pages + self.reserved
+            if pages < floor:
+                raise ValueError(
+                    f"{pages} KV pages cannot hold one sequence of max_model_len {c.max_model_len}"
+                )
+        pages += self.reserved
+        logger.info(
+            "memory: weights %.1f GiB, GDN states %.1f GiB (%d slots), KV %.1f GiB = %d tokens: "
+            "%d requests of max_model_len %d at once, up to %d shorter ones",
+            self._weight_bytes() / GIB,
+            self.state_pool.nbytes / GIB,
+            c.num_state_slots,
+            pages * per_page / GIB,
+            pages * c.page_size,
+            min(pages // floor, c.num_state_slots),
+            c.max_model_len,
+            c.num_state_slots,
+        )
+        return pages
+
+    def _weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
+    def _plan_line(self, budget: float, total: int, free: int, one_sequence: int) -> str:
+        c = self.config
+        return (
+            f"the model does not fit: weights {self._weight_bytes() / GIB:.1f} GiB + GDN states "
+            f"{self.state_pool.nbytes / GIB:.1f} GiB ({c.num_state_slots} slots) + activations "
+            f"{ACTIVATION_RESERVE_BYTES / GIB:.0f} GiB leave {budget / GIB:.1f} GiB for KV pages, and one "
+            f"sequence of max_model_len {c.max_model_len} needs {one_sequence / GIB:.2f} GiB "
+            f"(this instance may use {c.gpu_memory_utilization:.2f} of {total / GIB:.1f} GiB, "
+            f"{(total - free) / GIB:.1f} GiB already in use): lower --max-num-seqs or --max-model-len, "
+            "raise --gpu-memory-utilization, or run one engine per GPU"
+        )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:

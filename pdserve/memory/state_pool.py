@@ -42,6 +42,11 @@ class GdnStatePool:
         )
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of both state tensors, every slot."""
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
