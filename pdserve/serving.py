@@ -23,6 +23,7 @@ from pdserve.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.warmup import warm_up
 from pdserve.registry import InstanceRegistry
 
 log = logging.getLogger("pdserve.serving")
@@ -163,6 +164,8 @@ class EngineHost:
     def __init__(self, config: ServiceConfig, nixl: bool = True) -> None:
         self.config = config
         self.engine = LLMEngine(config.engine)
+        if self.engine.runner.device.type == "cuda":  # compile every shape before taking traffic
+            warm_up(self.engine)
         self.engine.scheduler.lease_ttl_s = config.handoff_timeout_s
         self.incarnation = secrets.token_hex(4)
         agent_name = f"{config.instance_id}#{self.incarnation}"
