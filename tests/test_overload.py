@@ -95,6 +95,7 @@ def test_256_concurrent_against_8_slots(stack: Stack, expected: dict[str, str]) 
             )
             return prompt, reply.choices[0].text
         except openai.APIStatusError as e:  # refused with a status is allowed (429/503), never a 500
+            assert e.response.headers.get("retry-after"), "a refusal must say when to retry"
             return prompt, e.status_code
 
     async def run() -> list[tuple[str, str | int]]:
@@ -133,7 +134,7 @@ def test_throughput_holds_at_8x_load(stack: Stack) -> None:
                     )
                     done.append((time.monotonic(), reply.usage.completion_tokens))
                 except openai.APIStatusError as e:
-                    assert e.status_code in (429, 503), e
+                    assert e.status_code in (429, 503) and e.response.headers.get("retry-after"), e
                     await asyncio.sleep(0.2)
 
         async with openai.AsyncOpenAI(
