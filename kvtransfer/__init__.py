@@ -1,7 +1,8 @@
 """Moving a request's KV pages and GDN states from a prefill instance to a decode instance.
 
 `TransferAgent` (NIXL/UCX) is the real backend, `LocalCopyAgent` an in-process stand-in for tests;
-both follow `BaseTransferAgent`. `RequestPayload` says where a prefilled request's data lies.
+both follow `BaseTransferAgent`. Where a prefilled request's data lies travels as a
+`pdserve.messages.Lease`.
 """
 
 from typing import Any
@@ -16,7 +17,7 @@ from kvtransfer.compat import (
 )
 from kvtransfer.layout import POOL_UNIT_DIMS, PoolSpec
 from kvtransfer.local import LocalCopyAgent
-from kvtransfer.payload import RequestPayload, pool_units
+from kvtransfer.payload import pool_units
 
 __all__ = [
     "POOL_UNIT_DIMS",
@@ -25,7 +26,6 @@ __all__ = [
     "IncompatiblePeerError",
     "LocalCopyAgent",
     "PoolSpec",
-    "RequestPayload",
     "TransferAgent",
     "TransferEndpoint",
     "TransferHandle",

@@ -1,13 +1,14 @@
 """The transfer interface both backends share: handles, the poll-state enum, the checks.
 
-Lifecycle of one request's data (decode pulls, prefill frees):
+Lifecycle of one request's data (decode pulls; the prefill service frees its copy when decode
+releases the lease, see prefill_svc/service.py):
 
-    prefill: compute KV pages + state slot ──> RequestPayload to the router/decode
+    prefill: compute KV pages + state slot ──> a Lease (pdserve.messages) to the router/decode
     decode:  allocate local pages + slot ──> pull() ──> poll() until DONE / FAILED ──> release()
-    prefill: take_done_notifications() names the request ──> free its pages + slot
 
 A pull reads the units (pages, slots) of every pool in one go; the request id travels with the
-transfer as a notification, which reaches the prefill side only after the data has been read.
+transfer as a notification, which reaches the prefill side only after the data has been read
+(`take_done_notifications`; the prefill side pumps it to progress its worker).
 A pull still pending after `timeout_s` counts as FAILED, so a peer that disappears without the
 transport noticing can never hold a caller forever. On FAILED no notification is sent: the
 prefill side must time its copies out on its own.

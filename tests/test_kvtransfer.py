@@ -24,7 +24,6 @@ from kvtransfer import (
     IncompatiblePeerError,
     LocalCopyAgent,
     PoolSpec,
-    RequestPayload,
     TransferAgent,
     TransferState,
     pool_units,
@@ -216,12 +215,3 @@ def test_local_copy_agent_moves_units_and_notifies():
     assert torch.equal(dst.pools["kv"][:, :, 7], src.pools["kv"][:, :, 2])
     assert torch.equal(dst.pools["recurrent"][:, 0], src.pools["recurrent"][:, 1])
     assert src.take_done_notifications() == ["r1"] and src.take_done_notifications() == []
-
-
-def test_request_payload_round_trips_through_msgpack():
-    p = RequestPayload("r1", kv_pages=[4, 9, 2], state_slot=3, num_tokens=10, prefill_agent="prefill-0")
-    assert RequestPayload.from_bytes(p.to_bytes()) == p
-    assert p.remote_units() == {"kv": [4, 9, 2], "conv": [3], "recurrent": [3]}
-    p.check_pages(4)
-    with pytest.raises(ValueError, match="fill 2 pages, the payload names 3"):
-        p.check_pages(8)
