@@ -1,6 +1,26 @@
-"""pdserve: disaggregated prefill/decode serving for Qwen3.6 hybrid-MoE models."""
+"""pdserve: disaggregated prefill/decode serving for Qwen3.6 hybrid-MoE models.
 
-from pdserve.llm import LLM
-from pdserve.sampling.params import SamplingParams
+`LLM` and `SamplingParams` are imported on first use: `import pdserve.rpc` (the healthcheck)
+and the router import this package without loading torch or the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.llm import LLM
+    from pdserve.sampling.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
+_HOMES = {"LLM": "pdserve.llm", "SamplingParams": "pdserve.sampling.params"}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'pdserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup is a plain module attribute
+    return value

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from pdserve.config import ModelConfig
+from pdserve.model_config import ModelConfig
 from pdserve.registry import InstanceRegistry
 from pdserve.tokenizer import load_tokenizer
 from router.admission import AdmissionConfig
