@@ -1,9 +1,10 @@
 """Continuous batching over the KV page pool and the GDN state pool.
 
 Each step:
-  1. every running sequence gets its next tokens (decode: 1; a chunked prefill: the rest of its
-     prompt, up to the token budget), growing its block table; when pages run out the newest
-     running sequence is preempted (its memory freed, recomputed later);
+  1. every running sequence gets its next tokens, decoding ones first (1 each), then chunked
+     prefills (the rest of the prompt, up to the token budget), growing its block table; when
+     pages run out the running sequence cheapest to recompute is preempted (its memory freed,
+     recomputed later);
   2. waiting sequences are admitted in order while the budget, `max_num_seqs`, state slots and
      pages allow: several prompts share one packed pass, a long prompt is chunked. With a
      prefix cache, an admitted prompt starts after its longest cached prefix, and a chunk stops
@@ -84,14 +85,18 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
+        # decoding sequences first (a token each), then chunks of prompts still prefilling: a long
+        # prompt never holds the decode batch back for the steps its chunks take
+        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(order) and budget > 0:
+            seq = order[i]
             n = self._chunk(seq, seq.num_computed_tokens, budget)
             if not self._grow(seq, n):
                 # the cheapest to recompute among those not yet in this batch
-                victim = min(self.running[i:], key=lambda s: (s.num_computed_tokens, -self.running.index(s)))
+                victim = min(order[i:], key=lambda s: (s.num_computed_tokens, -order.index(s)))
                 self.preempt(victim)
+                order.remove(victim)
                 if victim is seq:
                     break
                 continue
