@@ -4,10 +4,12 @@ Request lifecycle (chat and completions alike):
   0. gate     router.gate, before the body is read: 413 body too large (chunked too), 401 API key,
               429 the key's concurrency limit
   1. parse    FastAPI + the pydantic models of router.protocol; bad JSON, types, ranges -> 400
-  2. check    model name (404 model_not_found), prompt -> token ids (chat template; a text too
+  2. check    model name (404 model_not_found), tools and tool_choice (router.tools), prompt
+              -> token ids (chat template with the tools, router.chat_template; a text too
               long to fit max_model_len whatever its tokens is a 400 before it is tokenized;
               encode), length against max_model_len and max_tokens, SamplingParams (ValueError
-              -> 400)
+              -> 400); a chat request's output parsing (router.chat_output: reasoning, tool
+              calls), one parser per choice
   3. admit    router.admission: the request's generations join the queue of those waiting for a
               first token, or 503 + Retry-After when it is full
   4. fan out  one GenerateRequest per choice (prompt p, copy j: id "<response id>-<k>", seed + j),
@@ -34,13 +36,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import jinja2
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from pdserve.tokenizer import Tokenizer
 from router.admission import Admission, AdmissionConfig, QueueTimeout, Ticket
 from router.backend import Backend, GenerateRequest
+from router.chat_output import ChatParsingConfig, OutputParsing, tags_decode_to_nothing
+from router.chat_template import render_chat
 from router.drain import SHUTDOWN_MESSAGE, Drain
 from router.errors import (
     GENERATION_ERRORS,
@@ -70,6 +73,7 @@ from router.responses import (
     ResponseFormat,
     sse,
 )
+from router.tools import resolve_tools
 
 log = logging.getLogger("pdserve.router")
 MAX_CHOICES = 256  # prompts x n of one request (n=200 must work): a typo must not queue millions
@@ -87,8 +91,11 @@ class OpenAIRouter:
         metrics: RouterMetrics,
         admission: Admission,
         drain: Drain,
+        chat_parsing: ChatParsingConfig,
     ) -> None:
         self.backend = backend
+        self.chat_parsing = chat_parsing
+        self.hidden_tags = tags_decode_to_nothing(tokenizer)
         self.drain = drain
         self.tokenizer = tokenizer
         self.model = model
@@ -119,18 +126,18 @@ class OpenAIRouter:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
-        kwargs = body.chat_template_kwargs or {}
-        taken = {"messages", "add_generation_prompt", *self.tokenizer.special_tokens}
-        if reserved := sorted(taken & set(kwargs)):
-            raise OpenAIError(f"chat_template_kwargs cannot set {reserved}", param="chat_template_kwargs")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                body.template_messages(), body.add_generation_prompt, **kwargs
-            )
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            # bad roles or content, kwargs the template cannot use (a number where it loops), a refusal
-            raise OpenAIError(f"{e}", param="messages") from e
-        fmt = ChatFormat(self.model, self.tokenizer, body.n, body.include_usage)
+        tools, parse_tools = resolve_tools(body.tools, body.tool_choice, self.chat_parsing)
+        messages = body.template_messages()
+        text = render_chat(
+            self.tokenizer, messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+        )
+        parallel = body.parallel_tool_calls is not False
+        parsing = OutputParsing.for_request(
+            self.chat_parsing, text, tools, parse_tools, parallel, body.include_reasoning
+        )
+        if parsing.active and self.hidden_tags and "skip_special_tokens" not in body.model_fields_set:
+            body.skip_special_tokens = False  # the parsers must see <think>, <tool_call>, ...
+        fmt = ChatFormat(self.model, self.tokenizer, body.n, body.include_usage, parsing)
         return await self.serve(request, body, fmt, [(await self.encode(text, "messages"), "")], arrival)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -175,7 +182,7 @@ class OpenAIRouter:
                 seed = None if params.seed is None else choice_seed(params.seed, j)
                 req_id = f"{fmt.id}-{len(requests)}"
                 requests.append(GenerateRequest(req_id, ids, replace(params, n=1, seed=seed)))
-                choices.append(Choice(index=len(choices), prompt_tokens=len(ids), prefix=echo))
+                choices.append(fmt.new_choice(len(choices), len(ids), echo))
         if self.drain.draining:  # a 503 carries Retry-After
             raise OpenAIError(SHUTDOWN_MESSAGE, 503, code="shutting_down")
         ticket = self.admission.admit(len(requests), arrival)
@@ -256,16 +263,19 @@ def create_app(
     metrics: RouterMetrics | None = None,
     admission: AdmissionConfig | None = None,
     drain: Drain | None = None,
+    chat_parsing: ChatParsingConfig | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into.
     `admission` (router.admission): the API keys (when any, every `/v1/` route wants one as
     `Authorization: Bearer <key>`, as vLLM's `--api-key`; /health and /metrics stay open), the
-    body limit, the queue cap and the queue timeout."""
+    body limit, the queue cap and the queue timeout. `chat_parsing` (router.chat_output): the
+    --tool-call-parser, --reasoning-parser and --enable-auto-tool-choice flags."""
     metrics = metrics or RouterMetrics()
     admission = admission or AdmissionConfig()
     drain = drain or Drain()
+    chat_parsing = chat_parsing or ChatParsingConfig()
     router = OpenAIRouter(
-        backend, tokenizer, served_model_name, metrics, Admission(admission, metrics), drain
+        backend, tokenizer, served_model_name, metrics, Admission(admission, metrics), drain, chat_parsing
     )
     created = int(time.time())
     app = FastAPI(title="pdserve router")

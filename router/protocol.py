@@ -1,9 +1,11 @@
 """The OpenAI request models: what /v1/chat/completions and /v1/completions accept.
 
 Request models accept what OpenAI's API and vLLM's extensions (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, ...) accept; unknown fields are ignored, as OpenAI
-clients send some (user, logit_bias, ...). Types are checked by pydantic (-> 400 via
-router.errors); values by `SamplingParams` (its ValueError -> 400 with the reason).
+ignore_eos, min_tokens, stop_token_ids, ...) accept, and chat's tools (router.tools). A field
+either API defines that the router does not implement is a 400 naming it (router.unsupported:
+logit_bias, response_format, prompt_logprobs, ...); informational fields (user, metadata, ...)
+and names neither API knows are ignored, as vLLM does. Types are checked by pydantic (-> 400
+via router.errors); values by `SamplingParams` (its ValueError -> 400 with the reason).
 
 Integers: every one a request carries is range-checked here, before anything is encoded (the
 disaggregated backend sends requests as msgpack, which stops at 64 bits): `Int64` at parse time
@@ -22,7 +24,7 @@ explicit null: the room); asking for more than the room, or a prompt that leaves
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -36,6 +38,8 @@ from pydantic import (
 
 from pdserve.sampling.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from router.errors import OpenAIError
+from router.tools import ChatTool
+from router.unsupported import refuse_unsupported
 
 _OPTIONAL_SAMPLING = (  # None: SamplingParams' default
     "temperature", "top_p", "top_k", "min_p", "seed",
@@ -121,6 +125,7 @@ class OpenAIRequest(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
+    endpoint: ClassVar[str] = ""  # "chat" or "completions": the fields router.unsupported refuses
 
     model: str | None = None  # None: the served model (vLLM's leniency; OpenAI requires it)
     n: Int64 = 1
@@ -143,9 +148,10 @@ class OpenAIRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
+    def _check_raw_body(cls, data: Any) -> Any:
         if (where := lone_surrogate_at(data)) is not None:
             raise ValueError(f"{where} is not valid Unicode (a lone surrogate)")
+        refuse_unsupported(data, cls.endpoint)  # an OpenAIError: pydantic passes it on as it is
         return data
 
     @property
@@ -196,6 +202,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(OpenAIRequest):
+    endpoint = "chat"
     messages: list[ChatMessage]
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
@@ -203,6 +210,10 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = None  # "none", "auto", ... (router.tools reads it)
+    parallel_tool_calls: bool | None = None  # None: true
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content (--reasoning-parser)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -230,6 +241,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 class CompletionRequest(OpenAIRequest):
+    endpoint = "completions"
     prompt: Prompt
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
@@ -240,5 +252,9 @@ class CompletionRequest(OpenAIRequest):
 
     def num_logprobs(self) -> int | None:
         if self.logprobs is not None and self.echo:
-            raise OpenAIError("echo with logprobs is not supported (no prompt logprobs)", param="echo")
+            raise OpenAIError(
+                "echo with logprobs is not supported yet (it needs prompt logprobs)",
+                param="echo",
+                code="unsupported_parameter",
+            )
         return self.logprobs

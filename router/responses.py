@@ -4,8 +4,12 @@ A `ResponseFormat` (ChatFormat or CompletionFormat) is made per HTTP request; th
 `Choice`s, one per backend generation, which accumulate the `TokenEvent`s. Chat logprobs are
 `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`; completions logprobs are the
 legacy `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. A token's
-text is its own decode (special tokens kept), as vLLM does. `sse` frames one event of a stream;
-`ClosingStreamingResponse` sends a stream and releases what it holds however the stream ends.
+text is its own decode (special tokens kept), as vLLM does. A chat request with output parsing
+(router.chat_output: reasoning, tool calls) gives each choice a parser: streamed, each event's
+text goes through it into `reasoning_content` / `content` / `tool_calls` deltas; not streamed,
+the whole text does, into the message; after tool calls a "stop" finishes as "tool_calls".
+`sse` frames one event of a stream; `ClosingStreamingResponse` sends a stream and releases what
+it holds however the stream ends.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.tokenizer import Tokenizer
 from router.backend import TokenEvent
+from router.chat_output import ChatOutputParser, OutputParsing
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a token the filters removed gets this (as in vLLM)
 
@@ -60,6 +65,7 @@ class Choice:
     finish_reason: str | None = None
     cached_tokens: int = 0
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    parser: ChatOutputParser | None = None  # chat with reasoning or tool-call parsing
 
     @property
     def text(self) -> str:
@@ -100,6 +106,9 @@ class ResponseFormat:
         self.tokenizer = tokenizer
         self.n = n
         self.include_usage = include_usage
+
+    def new_choice(self, index: int, prompt_tokens: int, prefix: str = "") -> Choice:
+        return Choice(index=index, prompt_tokens=prompt_tokens, prefix=prefix)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -169,6 +178,49 @@ def _logprob(value: float) -> float:
 
 class ChatFormat(ResponseFormat):
     id_prefix, object_name, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Tokenizer,
+        n: int,
+        include_usage: bool = False,
+        parsing: OutputParsing | None = None,
+    ) -> None:
+        super().__init__(model, tokenizer, n, include_usage)
+        self.parsing = parsing or OutputParsing()
+
+    def new_choice(self, index: int, prompt_tokens: int, prefix: str = "") -> Choice:
+        choice = super().new_choice(index, prompt_tokens, prefix)
+        choice.parser = self.parsing.new_parser()
+        return choice
+
+    def event_chunk(self, choice: Choice, event: TokenEvent) -> dict | None:
+        parser = choice.parser
+        if parser is None:
+            return super().event_chunk(choice, event)
+        parsed = parser.feed(event.text_delta)
+        if event.finished:
+            parsed.extend(parser.finish())
+        delta = parsed.as_openai()
+        if not (delta or event.logprobs or event.finished):
+            return None
+        if event.logprobs and not delta:
+            delta = {"content": ""}
+        logprobs = None if event.logprobs is None else self.logprobs(choice, event.logprobs)
+        reason = parser.finish_reason(event.finish_reason)
+        return self.one_choice_chunk(choice.index, {"delta": delta}, logprobs, reason)
+
+    def final_choice(self, choice: Choice) -> dict:
+        out = super().final_choice(choice)
+        if (parser := choice.parser) is not None:
+            parser.feed(choice.text)
+            parser.finish()
+            out["message"], out["finish_reason"] = (
+                parser.message(),
+                parser.finish_reason(choice.finish_reason),
+            )
+        return out
 
     def head_chunks(self, choices: list[Choice]) -> list[dict]:
         return [

@@ -70,6 +70,62 @@ def test_bad_requests(server: str, path: str, body: dict | str, status: int, fra
     assert_error(response, status, fragment)
 
 
+# ---- fields the router knows but has not built: a 400 naming the field, never a silent 200
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+COMPLETION_OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+NOT_BUILT = [  # (path, fields, the param named)
+    (CHAT_PATH, {"logit_bias": {"42": 100}}, "logit_bias"),
+    (COMPLETIONS_PATH, {"logit_bias": {"42": -100}}, "logit_bias"),
+    (CHAT_PATH, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT_PATH, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    (COMPLETIONS_PATH, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT_PATH, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (COMPLETIONS_PATH, {"prompt_logprobs": 0}, "prompt_logprobs"),
+    (CHAT_PATH, {"structured_outputs": {"json": {}}}, "structured_outputs"),
+    (CHAT_PATH, {"guided_json": {"type": "object"}}, "guided_json"),
+    (COMPLETIONS_PATH, {"guided_regex": "[a-z]+"}, "guided_regex"),
+    (COMPLETIONS_PATH, {"guided_choice": ["yes", "no"]}, "guided_choice"),
+    (CHAT_PATH, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    (CHAT_PATH, {"modalities": ["text", "audio"]}, "modalities"),
+    (CHAT_PATH, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    (CHAT_PATH, {"web_search_options": {}}, None),  # {} asks for nothing
+    (CHAT_PATH, {"web_search_options": {"search_context_size": "low"}}, "web_search_options"),
+    (CHAT_PATH, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT_PATH, {"reasoning_effort": "low"}, "reasoning_effort"),
+    (CHAT_PATH, {"use_beam_search": True}, "use_beam_search"),
+    (COMPLETIONS_PATH, {"best_of": 3}, "best_of"),
+    (COMPLETIONS_PATH, {"suffix": "end"}, "suffix"),
+    (COMPLETIONS_PATH, {"logprobs": 1, "echo": True}, "echo"),
+    (CHAT_PATH, {"echo": True}, "echo"),
+    (CHAT_PATH, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    (CHAT_PATH, {"bad_words": ["x"]}, "bad_words"),
+    (CHAT_PATH, {"chat_template": "{{ messages }}"}, "chat_template"),
+    (CHAT_PATH, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    # neutral values and informational fields pass
+    (CHAT_PATH, {"logit_bias": {}, "response_format": {"type": "text"}, "modalities": ["text"]}, None),
+    (COMPLETIONS_PATH, {"best_of": 1, "echo": False, "suffix": None, "prompt_logprobs": None}, None),
+    (CHAT_PATH, {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"}, None),
+    (CHAT_PATH, {"tool_choice": "none", "parallel_tool_calls": True}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "fields", "param"), NOT_BUILT)
+def test_not_built_fields_are_refused(
+    server: str, path: str, fields: dict, param: str | None, stream: bool
+) -> None:
+    body = {**(CHAT_OK if path == CHAT_PATH else COMPLETION_OK), "stream": stream, **fields}
+    response = httpx.post(server + path, json=body)
+    if param is None:
+        assert response.status_code == 200, response.text
+        return
+    assert_error(response, 400, "not supported yet")
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == "unsupported_parameter", error
+
+
 def test_client_errors_and_routes(client: openai.OpenAI, server: str) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4", messages=CHAT)

@@ -204,12 +204,13 @@ def test_bad_fields(http: httpx.Client, case: tuple[str, dict, int, str | None],
 def test_template_errors_are_400(
     http: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A chat template that loops over `tools` gets a number: render() raised TypeError, a 500."""
-    template = "{% for tool in tools %}{{ tool }}{% endfor %}{{ messages[0]['content'] }}"
+    """A chat template that loops over a kwarg gets a number: render() raised TypeError, a 500."""
+    template = "{% for doc in documents %}{{ doc }}{% endfor %}{{ messages[0]['content'] }}"
     # the server's tokenizer is the engine's; its compiled template is a cached property
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
     monkeypatch.setattr(engine.tokenizer, "_template", compile_chat_template(template))
-    for tools, status in ((5, 400), (None, 400), (["a"], 200)):
-        body = {**BASE[CHAT], "chat_template_kwargs": {"tools": tools}}
+    for documents, status in ((5, 400), (None, 400), (["a"], 200)):
+        body = {**BASE[CHAT], "chat_template_kwargs": {"documents": documents}}
         assert post(http, CHAT, json.dumps(body), "application/json").status_code == status
 
 

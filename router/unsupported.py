@@ -1,0 +1,98 @@
+"""Request fields the router knows but does not implement: a 400 naming the field, never a silent 200.
+
+OpenAI's API and vLLM's extensions have fields that change what a request means (structured
+output, logit bias, prompt logprobs, beam search, ...). The router does not do them yet, so a
+request that asks for one is refused with `param` set to the field; a field sent with its
+neutral value (null, false, {}, [], `response_format: {"type": "text"}`, `best_of` equal to n)
+asks for nothing and passes. Informational fields (`user`, `metadata`, `store`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`) are accepted and ignored, as vLLM does;
+so are names neither API knows.
+
+`refuse_unsupported(data, endpoint)` runs on the raw JSON object before pydantic reads it (a
+model validator of router.protocol): it raises `OpenAIError`, which pydantic lets through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.errors import OpenAIError
+
+CODE = "unsupported_parameter"
+NEUTRAL = (None, False, {}, [], "")  # compared by value and type (0 is not False here)
+NEUTRAL_TOO = {
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "function_call": ("none",),
+    "priority": (0,),
+    "length_penalty": (1, 1.0),
+    "spaces_between_special_tokens": (True,),
+}
+STRUCTURED = "structured output needs constrained decoding"
+_BOTH = {
+    "logit_bias": "",
+    "prompt_logprobs": "",
+    "response_format": 'only {"type": "text"} is; ' + STRUCTURED,
+    "structured_outputs": STRUCTURED,
+    "guided_json": STRUCTURED,
+    "guided_regex": STRUCTURED,
+    "guided_choice": STRUCTURED,
+    "guided_grammar": STRUCTURED,
+    "guided_decoding_backend": STRUCTURED,
+    "guided_whitespace_pattern": STRUCTURED,
+    "allowed_token_ids": "",
+    "bad_words": "",
+    "use_beam_search": "no beam search",
+    "length_penalty": "no beam search",
+    "best_of": "only best_of equal to n is",
+    "truncate_prompt_tokens": "",
+    "logits_processors": "",
+    "return_tokens_as_token_ids": "",
+    "return_token_ids": "",
+    "priority": "no request priorities",
+    "cache_salt": "",
+    "kv_transfer_params": "",
+    "vllm_xargs": "",
+    "request_id": "the router names its requests",
+    "spaces_between_special_tokens": "only true is",
+}
+_CHAT = {
+    "audio": "text output only",
+    "modalities": 'only ["text"] is',
+    "prediction": "no predicted outputs",
+    "web_search_options": "no web search",
+    "functions": "deprecated: use tools",
+    "function_call": "deprecated: use tool_choice",
+    "reasoning_effort": 'chat_template_kwargs {"enable_thinking": false} turns thinking off',
+    "verbosity": "",
+    "echo": "in chat completions",
+    "continue_final_message": "",
+    "documents": "",
+    "chat_template": "the model's chat template is used",
+    "mm_processor_kwargs": "text only",
+}
+_COMPLETIONS = {"suffix": "", "prompt_embeds": ""}
+REFUSED = {"chat": {**_BOTH, **_CHAT}, "completions": {**_BOTH, **_COMPLETIONS}}
+
+
+def _neutral(name: str, value: Any, data: dict) -> bool:
+    if name == "best_of" and value == data.get("n", 1):
+        return True
+    return any(value == v and type(value) is type(v) for v in (*NEUTRAL, *NEUTRAL_TOO.get(name, ())))
+
+
+def refuse_unsupported(data: Any, endpoint: str) -> None:
+    """A 400 for the first field of `data` (a request's JSON) that asks for what is not built."""
+    if not isinstance(data, dict):
+        return
+    options = data.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats") is True:
+        name = "stream_options.continuous_usage_stats"
+        raise OpenAIError(
+            f"{name} is not supported yet (include_usage sends usage at the end)", param=name, code=CODE
+        )
+    refused = REFUSED[endpoint]
+    for name, value in data.items():
+        if name in refused and not _neutral(name, value, data):
+            why = f" ({refused[name]})" if refused[name] else ""
+            raise OpenAIError(f"{name} is not supported yet{why}", param=name, code=CODE)
