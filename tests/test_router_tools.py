@@ -9,6 +9,7 @@ tokenizer is the tiny model's with a Qwen3.6-shaped template (tests/chat_templat
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 from collections.abc import AsyncGenerator, Iterator
@@ -21,7 +22,7 @@ import pytest
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from router.app import create_app
 from router.backend import GenerateRequest, TokenEvent
-from router.chat_output import ChatParsingConfig
+from router.chat_output import ChatParsingConfig, add_arguments
 from tests.chat_templates import QWEN_STYLE_TEMPLATE
 from tests.live_server import serving
 
@@ -269,3 +270,19 @@ def test_a_template_without_tools_refuses_them(tiny_model_dir: Path) -> None:
         response = httpx.post(f"{url}/v1/chat/completions", json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
         assert "does not render tools" in response.json()["error"]["message"]
+
+
+def test_parsing_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice"]
+    )
+    assert ChatParsingConfig.from_args(args) == CONFIGS["qwen3_coder"]
+    assert ChatParsingConfig.from_args(parser.parse_args([])) == ChatParsingConfig()
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        ChatParsingConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of"):
+        ChatParsingConfig("mistral")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--reasoning-parser", "deepseek_r1"])
