@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 import uvicorn
+from fastapi import FastAPI
 
 from pdserve.model_config import ModelConfig
 from pdserve.registry import InstanceRegistry
@@ -20,6 +21,7 @@ from router.drain import Drain, DrainingServer
 from router.gate import ApiKey, read_api_key_file
 from router.instances import InstanceSet
 from router.metrics import RouterMetrics
+from router.scaling_metrics import RoleLoadCollector
 
 
 @dataclass(slots=True)
@@ -84,26 +86,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def serve(config: RouterConfig) -> None:
+@dataclass(slots=True)
+class Router:
+    """A router's parts, built but not started: the ASGI app and what `serve` starts and closes."""
+
+    app: FastAPI
+    instances: InstanceSet
+    registry: InstanceRegistry
+    drain: Drain
+
+
+def build_router(config: RouterConfig) -> Router:
+    """The app over a `DisaggBackend`, with the per-role load gauges on its /metrics."""
     model_config = ModelConfig.from_pretrained(config.model)
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 32_768)
     metrics = RouterMetrics()
     registry = InstanceRegistry(config.redis_url)
     instances = InstanceSet(registry, metrics)
+    metrics.registry.register(RoleLoadCollector(instances))
     backend = DisaggBackend(instances, metrics, max_model_len, config.burst)
     name = config.served_model_name or config.model
     drain = Drain()
     app = create_app(backend, load_tokenizer(config.model), name, metrics, config.admission, drain)
-    await instances.start()
+    return Router(app, instances, registry, drain)
+
+
+async def serve(config: RouterConfig) -> None:
+    router = build_router(config)
+    await router.instances.start()
     uvicorn_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5
+        router.app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5
     )
-    server = DrainingServer(uvicorn_config, drain, config.shutdown_timeout_s)
+    server = DrainingServer(uvicorn_config, router.drain, config.shutdown_timeout_s)
     try:
         await server.serve()
     finally:
-        await instances.close()
-        await registry.close()
+        await router.instances.close()
+        await router.registry.close()
 
 
 def api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
