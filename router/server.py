@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -16,6 +17,8 @@ from pdserve.registry import InstanceRegistry
 from pdserve.tokenizer import load_tokenizer
 from router.admission import AdmissionConfig
 from router.app import create_app
+from router.chat_output import ChatParsingConfig
+from router.chat_output import add_arguments as add_chat_parsing_arguments
 from router.disagg import BurstConfig, DisaggBackend
 from router.drain import Drain, DrainingServer
 from router.gate import ApiKey, read_api_key_file
@@ -37,6 +40,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # keys, body size, queue
     burst: BurstConfig = field(default_factory=BurstConfig)
     shutdown_timeout_s: float = 30.0  # on SIGTERM: how long open requests may go on (router.drain)
+    chat_parsing: ChatParsingConfig = field(default_factory=ChatParsingConfig)  # tool calls, reasoning
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, let open requests go on this long, then end them with an error (s)",
     )
+    add_chat_parsing_arguments(parser)
 
 
 @dataclass(slots=True)
@@ -107,7 +112,8 @@ def build_router(config: RouterConfig) -> Router:
     backend = DisaggBackend(instances, metrics, max_model_len, config.burst)
     name = config.served_model_name or config.model
     drain = Drain()
-    app = create_app(backend, load_tokenizer(config.model), name, metrics, config.admission, drain)
+    tokenizer = load_tokenizer(config.model)
+    app = create_app(backend, tokenizer, name, metrics, config.admission, drain, config.chat_parsing)
     return Router(app, instances, registry, drain)
 
 
@@ -136,22 +142,29 @@ def api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until a signal. A configuration that cannot start (no config.json or tokenizer.json,
+    bad flags, an unreadable key or secret file) stops with one line and status 1."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = RouterConfig(
-        model=args.model,
-        redis_url=args.redis_url,
-        served_model_name=args.served_model_name,
-        host=args.host,
-        port=args.port,
-        max_model_len=args.max_model_len,
-        admission=AdmissionConfig(
-            api_keys=api_keys(args),
-            max_request_bytes=args.max_request_bytes,
-            max_queued_requests=args.max_queued_requests,
-            queue_timeout_s=args.queue_timeout,
-        ),
-        burst=BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens),
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
-    asyncio.run(serve(config))
+    try:
+        config = RouterConfig(
+            model=args.model,
+            redis_url=args.redis_url,
+            served_model_name=args.served_model_name,
+            host=args.host,
+            port=args.port,
+            max_model_len=args.max_model_len,
+            admission=AdmissionConfig(
+                api_keys=api_keys(args),
+                max_request_bytes=args.max_request_bytes,
+                max_queued_requests=args.max_queued_requests,
+                queue_timeout_s=args.queue_timeout,
+            ),
+            burst=BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens),
+            shutdown_timeout_s=args.shutdown_timeout,
+            chat_parsing=ChatParsingConfig.from_args(args),
+        )
+        asyncio.run(serve(config))
+    except (ValueError, OSError) as e:
+        print(f"pdserve router: cannot start: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0

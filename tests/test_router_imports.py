@@ -223,3 +223,25 @@ def test_router_starts_fast_and_serves_without_torch(
             if proc is not None:
                 stop(proc)
     assert "blocked" not in log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ([], "no config.json in"),
+        (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+    ],
+)
+def test_a_router_that_cannot_start_says_why_in_one_line(tmp_path: Path, extra: list[str], says: str) -> None:
+    argv = ["router", "--model", str(tmp_path), "--redis-url", "redis://127.0.0.1:1", *extra]
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("pdserve router: cannot start: ") and says in line
