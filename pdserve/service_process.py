@@ -117,8 +117,8 @@ async def run_service(
                 except Exception as e:  # Redis gone: our key expires by its TTL anyway
                     log.warning("could not deregister %s %s: %s", role, instance_id, e)
             await registry.close()
-        for server in servers.values():
-            await server.stop(grace=2.0)
+        for server in servers.values():  # deregistered: open streams get shutdown_timeout_s to end
+            await server.stop(grace=config.shutdown_timeout_s)
         host.stop()
         log.info("%s %s stopped", "+".join(servers), instance_id)
 

@@ -41,6 +41,8 @@ class ServiceConfig:
     advertise_host: str | None = None
     redis_url: str | None = None
     heartbeat_s: float = 1.0
+    # on SIGTERM, after deregistering: how long open calls (decode streams) may go on
+    shutdown_timeout_s: float = 30.0
     # prefill: a held request's memory is freed after this long if nobody pulled it
     handoff_timeout_s: float = 60.0
     # prefill: requests queued (not yet prefilling) beyond which a new one is refused (retry later)
