@@ -164,6 +164,10 @@ GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "No instance can take the request, the queue is full, or it timed out (see Retry-After)"),
     )
 }
+GENERATION_ERRORS[200] = {
+    "description": "The answer; with `stream: true`, server-sent events (`data: {chunk}` ... `data: [DONE]`)",
+    "content": {"text/event-stream": {"schema": {}}},  # chunk objects, then the text [DONE]
+}
 
 
 def install_openapi_schema(app: FastAPI) -> None:

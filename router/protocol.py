@@ -124,7 +124,9 @@ class StreamOptions(BaseModel):
 class OpenAIRequest(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    # strict: a JSON type other than the declared one is a 400 ("n": 2.0, "stream": 0, "echo": 1),
+    # not silently coerced; an integer where a number is declared stays fine
+    model_config = ConfigDict(extra="ignore", strict=True)
     endpoint: ClassVar[str] = ""  # "chat" or "completions": the fields router.unsupported refuses
 
     model: str | None = None  # None: the served model (vLLM's leniency; OpenAI requires it)

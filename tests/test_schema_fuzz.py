@@ -125,7 +125,6 @@ WRONG_TYPES = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="router/protocol.py: pydantic's lax mode coerces JSON types")
 @pytest.mark.parametrize(("path", "body"), WRONG_TYPES)
 def test_wrong_json_types_are_refused(app: FastAPI, path: str, body: dict) -> None:
     with TestClient(app) as client:
@@ -133,7 +132,6 @@ def test_wrong_json_types_are_refused(app: FastAPI, path: str, body: dict) -> No
     assert response.status_code == 400, response.text
 
 
-@pytest.mark.xfail(strict=True, reason="router/app.py: the 200 of a generation route declares JSON only")
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_streamed_answers_are_declared(app: FastAPI, path: str) -> None:
     declared = app.openapi()["paths"][path]["post"]["responses"]["200"]["content"]
