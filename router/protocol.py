@@ -118,6 +118,7 @@ Content = Annotated[str | list[ContentPart] | None, _one_of("a string or a list 
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 

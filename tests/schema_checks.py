@@ -7,12 +7,6 @@ real stack) check of each answer, and how they keep generated requests cheap.
 Checks: schemathesis' no 5xx, status code, content type, headers and body as the document
 declares, schema-invalid requests refused; every 429/503 with Retry-After; a 200 of a generation
 route a valid OpenAI object (the `openai` package's models), a stream its chunks then [DONE].
-
-One known defect of the router is let through here while it lasts, recognized from what the
-router's own models do, so that the tolerance ends with the fix (test_schema_fuzz.py has a strict
-xfail test for it, which then passes and must lose its mark): `stream_options` is still validated
-laxly (`{"include_usage": 0}` is taken for false): router/protocol.py's StreamOptions lacks the
-strict config that OpenAIRequest has.
 """
 
 from __future__ import annotations
@@ -22,10 +16,8 @@ import json
 import schemathesis
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from pydantic import BaseModel, ValidationError
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.core.failures import AcceptedNegativeData
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     negative_data_rejection,
@@ -71,34 +63,8 @@ def keep_short(case: schemathesis.Case, max_model_len: int, unset_max_tokens: in
             body["max_tokens"] = unset_max_tokens
 
 
-def lax_only_in_stream_options(case: schemathesis.Case) -> bool:
-    """Whether the router's request model refuses this body when strict, but takes it once its
-    stream_options are dropped, and takes it as it is when lax: the known defect above."""
-    model: type[BaseModel] | None = REQUESTS.get(case.operation.path)
-    if (
-        model is None
-        or not isinstance(case.body, dict)
-        or not isinstance(case.body.get("stream_options"), dict)
-    ):
-        return False
-    try:
-        model.model_validate(case.body)
-        model.model_validate({**case.body, "stream_options": None}, strict=True)
-    except ValidationError:
-        return False
-    try:
-        model.model_validate(case.body, strict=True)
-    except ValidationError:
-        return True
-    return False
-
-
 def negative_data_refused(ctx: object, response: schemathesis.Response, case: schemathesis.Case) -> None:
-    try:
-        negative_data_rejection(ctx, response, case)
-    except AcceptedNegativeData:
-        if not lax_only_in_stream_options(case):  # the known defect (see the module docstring)
-            raise
+    negative_data_rejection(ctx, response, case)
 
 
 def is_stream(response: schemathesis.Response) -> bool:

@@ -12,8 +12,8 @@ positive_data_acceptance, since the document cannot say all the router checks (a
 for the context, min_tokens above max_tokens), so a schema-valid request may get a declared 400.
 Afterwards every KV page and state slot is free again.
 
-The router defects these tests found have a test each at the end; the one schema_checks.py still
-lets through (stream_options validated laxly) is a strict xfail there.
+The router defects these tests found (JSON types coerced, nested stream_options too; streamed
+answers undeclared) have a test each at the end.
 """
 
 from __future__ import annotations
@@ -133,9 +133,6 @@ def test_wrong_json_types_are_refused(app: FastAPI, path: str, body: dict) -> No
     assert response.status_code == 400, response.text
 
 
-@pytest.mark.xfail(
-    strict=True, reason="router/protocol.py: StreamOptions is not strict (include_usage: 0 taken)"
-)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_stream_options_types_are_refused(app: FastAPI, path: str) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hi"}
