@@ -19,6 +19,7 @@ from router.metrics import RouterMetrics
 log = logging.getLogger("pdserve.router")
 SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}
 SET_ASIDE_S = 5.0
+EMPTY_REGISTRY_GRACE_S = 3.0  # an instance's heartbeat TTL
 PREFER_SLACK = 16  # requests a prefix-cache owner may be busier than the least loaded instance
 
 
@@ -33,6 +34,7 @@ class InstanceSet:
         self.live: dict[str, dict[str, InstanceInfo]] = {"prefill": {}, "decode": {}}
         self.in_flight: dict[str, int] = defaultdict(int)
         self._set_aside: dict[str, float] = {}
+        self._emptied_at: float | None = None  # when the registry last came back empty
         self._clients: dict[str, RpcClient] = {}
         self._task: asyncio.Task | None = None
         self._load = metrics.gauge(
@@ -59,8 +61,16 @@ class InstanceSet:
                 log.warning("instance refresh failed: %s", e)
 
     async def refresh(self) -> None:
-        for role in self.live:
-            found = {i.instance_id: i for i in await self.registry.instances(role)}
+        seen = {role: {i.instance_id: i for i in await self.registry.instances(role)} for role in self.live}
+        if not any(seen.values()) and any(self.live.values()):
+            # every instance gone at once: Redis restarted empty (they re-register within a
+            # heartbeat), not all of them dying together; keep the last view for a TTL, as when
+            # Redis cannot be reached at all
+            self._emptied_at = self._emptied_at or time.monotonic()
+            if time.monotonic() - self._emptied_at < EMPTY_REGISTRY_GRACE_S:
+                return
+        self._emptied_at = None
+        for role, found in seen.items():
             for gone in set(self.live[role]) - set(found):
                 log.warning("%s instance %s left the registry", role, gone)
                 self._load.remove(role, gone)

@@ -167,7 +167,9 @@ def test_redis_restart_registry_and_prefixes_come_back(stack: Stack) -> None:
             break
         assert time.monotonic() - start < 10, f"after a Redis restart: {sorted(view)}"
         time.sleep(0.3)
-    with httpx.Client(base_url=stack.url, timeout=30) as client:
+    with httpx.Client(base_url=stack.url, timeout=30) as client:  # the router kept serving throughout
+        health = client.get("/health").json()
+        assert health["prefill"] == 2 and health["decode"] == 2, health
         assert client.post("/v1/completions", json=body(PROMPTS[1], 4, stream=False)).status_code == 200
 
 
@@ -176,6 +178,7 @@ def test_decode_killed_mid_stream(stack: Stack) -> None:
 
     async def stream(client: httpx.AsyncClient, i: int, state: dict) -> tuple[str, float]:
         async with client.stream("POST", "/v1/completions", json=body(PROMPTS[i], 460)) as response:
+            assert response.status_code == 200, await response.aread()
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -188,7 +191,9 @@ def test_decode_killed_mid_stream(stack: Stack) -> None:
         state = {"streaming": set(), "killed": 0.0}
         async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
             calls = [asyncio.create_task(stream(client, i, state)) for i in range(8)]
+            deadline = time.monotonic() + 30
             while len(state["streaming"]) < 8:  # every stream is decoding
+                assert time.monotonic() < deadline, f"only {len(state['streaming'])} of 8 streams started"
                 await asyncio.sleep(0.01)
             state["killed"] = time.monotonic()
             stack.kill("decode-0")
