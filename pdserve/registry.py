@@ -142,6 +142,10 @@ class InstanceRegistry:
     def _prefix_key(self, block_hash: str) -> str:
         return f"{self.namespace}:prefix:{block_hash}"
 
+    async def server_id(self) -> str:
+        """The Redis server's run id: it changes when Redis restarts (empty, without persistence)."""
+        return (await self._redis.info("server"))["run_id"]
+
     async def ping(self) -> None:
         """Raise (redis.RedisError / OSError) when Redis does not answer."""
         await self._redis.ping()

@@ -19,7 +19,7 @@ from router.metrics import RouterMetrics
 log = logging.getLogger("pdserve.router")
 SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}
 SET_ASIDE_S = 5.0
-EMPTY_REGISTRY_GRACE_S = 3.0  # an instance's heartbeat TTL
+REREGISTER_S = 3.0  # after a Redis restart, instances re-register within a heartbeat TTL
 PREFER_SLACK = 16  # requests a prefix-cache owner may be busier than the least loaded instance
 
 
@@ -34,7 +34,8 @@ class InstanceSet:
         self.live: dict[str, dict[str, InstanceInfo]] = {"prefill": {}, "decode": {}}
         self.in_flight: dict[str, int] = defaultdict(int)
         self._set_aside: dict[str, float] = {}
-        self._emptied_at: float | None = None  # when the registry last came back empty
+        self._run_id: str | None = None  # the Redis server's: a new one means Redis restarted
+        self._restarted_at: float | None = None
         self._clients: dict[str, RpcClient] = {}
         self._task: asyncio.Task | None = None
         self._load = metrics.gauge(
@@ -61,15 +62,19 @@ class InstanceSet:
                 log.warning("instance refresh failed: %s", e)
 
     async def refresh(self) -> None:
+        run_id = await self.registry.server_id()
+        if self._run_id is not None and run_id != self._run_id:
+            log.warning(
+                "Redis restarted: keeping the instances for %.0f s while they re-register", REREGISTER_S
+            )
+            self._restarted_at = time.monotonic()
+        self._run_id = run_id
+        reregistering = (
+            self._restarted_at is not None and time.monotonic() - self._restarted_at < REREGISTER_S
+        )
         seen = {role: {i.instance_id: i for i in await self.registry.instances(role)} for role in self.live}
-        if not any(seen.values()) and any(self.live.values()):
-            # every instance gone at once: Redis restarted empty (they re-register within a
-            # heartbeat), not all of them dying together; keep the last view for a TTL, as when
-            # Redis cannot be reached at all
-            self._emptied_at = self._emptied_at or time.monotonic()
-            if time.monotonic() - self._emptied_at < EMPTY_REGISTRY_GRACE_S:
-                return
-        self._emptied_at = None
+        if reregistering:  # an instance not back yet has not left: it re-registers within a heartbeat
+            seen = {role: {**self.live[role], **found} for role, found in seen.items()}
         for role, found in seen.items():
             for gone in set(self.live[role]) - set(found):
                 log.warning("%s instance %s left the registry", role, gone)
