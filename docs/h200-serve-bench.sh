@@ -12,11 +12,12 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pdserve-bench}
 W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
 CELLS=${CELLS:-"1024:4 1024:16 1024:32 8192:4 8192:16"}
+PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32: py-spy records the engine and the router 20 s into it
 mkdir -p "$OUT"
 log() { echo "[bench $(date +%T)] $*" | tee -a "$OUT/bench.log"; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    $W/.whl-serve/*.whl $W/.whl-aiperf/*.whl $W/.whl/fla_core*.whl >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+    $W/.whl-serve/*.whl $W/.whl-aiperf/*.whl $W/.whl/fla_core*.whl $(ls $W/.whl-prof/*.whl 2>/dev/null) >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 mkdir -p /tmp/rx && for f in $W/.redis/*.deb; do dpkg -x "$f" /tmp/rx; done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:/tmp/rx/usr/bin:$PATH
 export LD_LIBRARY_PATH=/tmp/rx/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
@@ -42,6 +43,14 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/bench.log"
 for cell in $CELLS; do
     isl=${cell%:*} c=${cell#*:}
     log "aiperf isl=$isl c=$c"
+    if [ "$cell" = "$PROFILE_CELL" ] && command -v py-spy >/dev/null; then
+        (sleep 25
+         for role in engine router; do
+             pid=$(pgrep -f "pdserve.cli $role" | head -1)
+             [ -n "$pid" ] && py-spy record --nonblocking -d 15 -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
+                 >"$OUT/pyspy-$role.log" 2>&1 &
+         done; wait) &
+    fi
     timeout 200 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
         --tokenizer $MODEL --isl "$isl" --isl-stddev 0 --osl 256 --extra-inputs ignore_eos:true \
         --concurrency "$c" --request-count $((3 * c)) --warmup-request-count "$c" --ui none \
