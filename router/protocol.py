@@ -3,7 +3,7 @@
 Request models accept what OpenAI's API and vLLM's extensions (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids, ...) accept, and chat's tools (router.tools). A field
 either API defines that the router does not implement is a 400 naming it (router.unsupported:
-logit_bias, response_format, prompt_logprobs, ...); informational fields (user, metadata, ...)
+logit_bias, response_format, ...); informational fields (user, metadata, ...)
 and names neither API knows are ignored, as vLLM does. Types are checked by pydantic (-> 400
 via router.errors); values by `SamplingParams` (its ValueError -> 400 with the reason).
 
@@ -49,6 +49,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, a surrogate left
 FLOAT32_MIN_NORMAL = 2.0**-126  # the sampler works in float32: a smaller top_p would round to 0
 _PASSED_ON = (
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+    "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -129,6 +130,7 @@ class OpenAIRequest(BaseModel):
     # not silently coerced; an integer where a number is declared stays fine
     model_config = ConfigDict(extra="ignore", strict=True)
     endpoint: ClassVar[str] = ""  # "chat" or "completions": the fields router.unsupported refuses
+    min_max_tokens: ClassVar[int] = 1  # completions: 0 (a log-likelihood: the prompt's logprobs only)
 
     model: str | None = None  # None: the served model (vLLM's leniency; OpenAI requires it)
     n: Int64 = 1
@@ -148,6 +150,7 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[int] | None = None  # in the vocabulary: check_token_ids
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Int64 | None = None  # vLLM's: logprobs of the prompt tokens (range: SamplingParams)
 
     @model_validator(mode="before")
     @classmethod
@@ -170,10 +173,12 @@ class OpenAIRequest(BaseModel):
     def max_tokens_for(self, prompt_len: int, max_model_len: int) -> int:
         """The output budget of a prompt of `prompt_len` tokens, or a 400 naming the limit."""
         requested = self.requested_max_tokens()
-        if requested is not None and requested < 1:
-            raise OpenAIError(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        if requested is not None and requested < self.min_max_tokens:
+            raise OpenAIError(
+                f"max_tokens must be at least {self.min_max_tokens}, got {requested}", param="max_tokens"
+            )
         room = max_model_len - prompt_len
-        if room < 1 or (requested is not None and requested > room):
+        if room < (0 if requested == 0 else 1) or (requested is not None and requested > room):
             asked = prompt_len + (requested or 0)
             raise OpenAIError(
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -245,6 +250,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     endpoint = "completions"
+    min_max_tokens = 0
     prompt: Prompt
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
@@ -254,10 +260,4 @@ class CompletionRequest(OpenAIRequest):
         return self.max_tokens
 
     def num_logprobs(self) -> int | None:
-        if self.logprobs is not None and self.echo:
-            raise OpenAIError(
-                "echo with logprobs is not supported yet (it needs prompt logprobs)",
-                param="echo",
-                code="unsupported_parameter",
-            )
-        return self.logprobs
+        return self.logprobs  # with echo: the prompt's too (prompt_logprobs, router.app)

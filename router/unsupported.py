@@ -1,7 +1,7 @@
 """Request fields the router knows but does not implement: a 400 naming the field, never a silent 200.
 
 OpenAI's API and vLLM's extensions have fields that change what a request means (structured
-output, logit bias, prompt logprobs, beam search, ...). The router does not do them yet, so a
+output, logit bias, beam search, ...). The router does not do them yet, so a
 request that asks for one is refused with `param` set to the field; a field sent with its
 neutral value (null, false, {}, [], `response_format: {"type": "text"}`, `best_of` equal to n)
 asks for nothing and passes. Informational fields (`user`, `metadata`, `store`,
@@ -31,7 +31,6 @@ NEUTRAL_TOO = {
 STRUCTURED = "structured output needs constrained decoding"
 _BOTH = {
     "logit_bias": "",
-    "prompt_logprobs": "",
     "response_format": 'only {"type": "text"} is; ' + STRUCTURED,
     "structured_outputs": STRUCTURED,
     "guided_json": STRUCTURED,
