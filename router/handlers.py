@@ -1,0 +1,169 @@
+"""The handlers of the generation routes (/v1/chat/completions, /v1/completions): `OpenAIRouter`.
+router.app builds the app around them; steps 3-7 are router.generation's.
+
+Request lifecycle (chat and completions alike):
+  0. gate     router.gate, before the body is read: 413 body too large (chunked too), 401 API key,
+              429 the key's concurrency limit
+  1. parse    FastAPI + the pydantic models of router.protocol; bad JSON, types, ranges -> 400
+  2. check    model name (404 model_not_found), tools and tool_choice (router.tools), prompt
+              -> token ids (chat template with the tools, router.chat_template; a text too
+              long to fit max_model_len whatever its tokens is a 400 before it is tokenized;
+              encode), length against max_model_len and max_tokens, SamplingParams (ValueError
+              -> 400); a chat request's output parsing (router.chat_output: reasoning, tool
+              calls), one parser per choice
+  3. admit    router.admission: the request's generations join the queue of those waiting for a
+              first token, or 503 + Retry-After when it is full
+  4. fan out  one GenerateRequest per choice (prompt p, copy j: id "<response id>-<k>", seed + j),
+              each pumped by a task into one merged queue (`router.fanout.Fanout`), followed by
+              RouterMetrics
+  5. first    wait for the first event of any choice (or for the client to leave, or the queue
+              timeout: 503 + Retry-After): a BackendError now is a JSON error with the backend's
+              status (400/500/503)
+  6. answer   stream=false: collect until every choice finished -> one JSON body
+              stream=true: SSE chunks (chat: a role chunk per choice, then deltas; each choice's
+              last chunk has its finish_reason), a usage chunk with include_usage, `data: [DONE]`;
+              a BackendError (or the queue timeout of a choice not started yet) mid-stream ->
+              `data: {"error": {...}}`, then [DONE]
+  7. cleanup  however it ends (done, error, timeout, client gone), `Fanout.close()` cancels the
+              pumps (a backend generator closed early aborts its request and frees its memory) and
+              the request leaves the queue
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+from fastapi import Request, Response
+
+from pdserve.tokenizer import Tokenizer
+from router.admission import Admission
+from router.backend import Backend, GenerateRequest
+from router.chat_output import ChatParsingConfig, OutputParsing, tags_decode_to_nothing
+from router.chat_template import render_chat
+from router.drain import Drain
+from router.errors import OpenAIError
+from router.generation import Generations
+from router.metrics import RouterMetrics
+from router.prompt_chars import max_chars_per_token
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    check_token_ids,
+    choice_seed,
+)
+from router.responses import ChatFormat, CompletionFormat, ResponseFormat
+from router.tools import resolve_tools
+
+MAX_CHOICES = 256  # prompts x n of one request (n=200 must work): a typo must not queue millions
+ENCODE_INLINE_CHARS = 20_000  # longer texts are tokenized on a worker thread
+
+
+class OpenAIRouter:
+    """The handlers behind the routes: turn requests into backend generations and answers."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        model: str,
+        metrics: RouterMetrics,
+        admission: Admission,
+        drain: Drain,
+        chat_parsing: ChatParsingConfig,
+    ) -> None:
+        self.backend = backend
+        self.chat_parsing = chat_parsing
+        self.hidden_tags = tags_decode_to_nothing(tokenizer)
+        self.drain = drain
+        self.tokenizer = tokenizer
+        self.model = model
+        self.metrics = metrics
+        self.admission = admission
+        self.generations = Generations(backend, metrics, admission, drain)
+        self.chars_per_token = None if tokenizer is None else max_chars_per_token(tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            message = f"The model `{model}` does not exist (this server serves `{self.model}`)."
+            raise OpenAIError(message, 404, param="model", code="model_not_found")
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Tokenize off the event loop (a long prompt must not stall every other stream), unless
+        the text is too long to fit whatever its tokens: a 400 for `param` at once."""
+        if len(text) < ENCODE_INLINE_CHARS:
+            return self.tokenizer.encode(text)
+        max_model_len = self.backend.max_model_len()
+        if self.chars_per_token is not None and len(text) > max_model_len * self.chars_per_token:
+            raise OpenAIError(
+                f"This model's maximum context length is {max_model_len} tokens, and a token covers at "
+                f"most {self.chars_per_token} characters: a prompt of {len(text)} characters cannot fit. "
+                "Please reduce the length of the prompt.",
+                param=param,
+            )
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        tools, parse_tools = resolve_tools(body.tools, body.tool_choice, self.chat_parsing)
+        messages = body.template_messages()
+        text = render_chat(
+            self.tokenizer, messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+        )
+        parallel = body.parallel_tool_calls is not False
+        parsing = OutputParsing.for_request(
+            self.chat_parsing, text, tools, parse_tools, parallel, body.include_reasoning
+        )
+        if parsing.active and self.hidden_tags and "skip_special_tokens" not in body.model_fields_set:
+            body.skip_special_tokens = False  # the parsers must see <think>, <tool_call>, ...
+        fmt = ChatFormat(self.model, self.tokenizer, body.n, body.include_usage, parsing)
+        return await self.serve(request, body, fmt, [(await self.encode(text, "messages"), "")], arrival)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        prompts = []
+        for item in prompt:
+            ids = await self.encode(item, "prompt") if isinstance(item, str) else list(item)
+            if not ids:
+                raise OpenAIError("prompt must not be empty", param="prompt")
+            check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
+            echo = (item if isinstance(item, str) else self.tokenizer.decode(ids)) if body.echo else ""
+            prompts.append((ids, echo))
+        fmt = CompletionFormat(self.model, self.tokenizer, body.n, body.include_usage)
+        return await self.serve(request, body, fmt, prompts, arrival)
+
+    async def serve(
+        self,
+        request: Request,
+        body: OpenAIRequest,
+        fmt: ResponseFormat,
+        prompts: list[tuple[list[int], str]],
+        arrival: float,
+    ) -> Response:
+        """Step 2's limits and params, then steps 3-7 (router.generation); `prompts` are
+        (token ids, echo text)."""
+        if body.n * len(prompts) > MAX_CHOICES:
+            raise OpenAIError(f"n x prompts must be at most {MAX_CHOICES}", param="n")
+        max_model_len, vocab_size = self.backend.max_model_len(), self.tokenizer.vocab_size
+        requests, choices = [], []
+        for ids, echo in prompts:
+            try:
+                params = body.sampling_params(body.max_tokens_for(len(ids), max_model_len), vocab_size)
+            except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]"
+                field = str(e).split(" ", 1)[0]
+                raise OpenAIError(str(e), param=field if field in type(body).model_fields else None) from e
+            for j in range(params.n):
+                seed = None if params.seed is None else choice_seed(params.seed, j)
+                req_id = f"{fmt.id}-{len(requests)}"
+                requests.append(GenerateRequest(req_id, ids, replace(params, n=1, seed=seed)))
+                choices.append(fmt.new_choice(len(choices), len(ids), echo))
+        return await self.generations.answer(request, body.stream, fmt, requests, choices, arrival)
