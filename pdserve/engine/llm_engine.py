@@ -37,6 +37,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     text_delta: str = ""
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None  # params.prompt_logprobs: None, then a token each
     lease_id: str | None = None  # handed over: the state stays in the pools under this lease
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
@@ -88,7 +89,7 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(prompt_ids) >= self.config.max_model_len:
+        if len(prompt_ids) >= self.config.max_model_len + (params.max_tokens == 0):
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; max_model_len {self.config.max_model_len} "
                 "leaves no room for an output token"
@@ -102,6 +103,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, prompt_ids, params, self.eos_token_ids)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs, seq.skip_prefix_cache = [None], True
         generator = None if params.seed is None else make_generator(params.seed, self.runner.device)
         seq.sampling = SamplingState(params, prompt_ids, seq.output_token_ids, self.eos_token_ids, generator)
         seq.stop_checker = StopChecker(params, self.tokenizer or _NO_TEXT, self.eos_token_ids)
@@ -149,6 +152,12 @@ class LLMEngine:
         logprobs = _logprob_rows(sampled)  # one more, only when some request asked for logprobs
         outputs = []
         for i, (seq, token) in enumerate(zip(seqs, token_ids, strict=True)):
+            if seq.params.max_tokens == 0:  # the prompt scored (prompt logprobs), no output token
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                self.requests.pop(seq.request_id, None)
+                outputs.append(self._output(seq, [], ""))
+                continue
             seq.output_token_ids.append(token)
             if logprobs is not None and seq.params.logprobs is not None:
                 chosen, top_ids, top_values = logprobs[0][i], logprobs[1][i], logprobs[2][i]
@@ -182,6 +191,7 @@ class LLMEngine:
     def start_received(self, seq: Sequence, first_token: int, first_logprobs: list | None) -> None:
         """Its state has arrived: decode `seq` from `first_token`, sampled by the prefill side."""
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.prompt_logprobs = None  # the prefill side scored the prompt and returned them
         seq.output_token_ids.append(first_token)
         seq.stop_checker.append(first_token)  # replays the prefill side's detokenizer state
         replay_draws(seq.sampling, self.model_config.vocab_size, 1, self.runner.device)
@@ -213,6 +223,7 @@ class LLMEngine:
             new_token_ids=new_tokens,
             text_delta=text_delta,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
 

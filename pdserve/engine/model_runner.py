@@ -8,6 +8,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.memory import GdnStatePool, KvPagePool
 from pdserve.model.forward_batch import ForwardBatch
@@ -117,7 +118,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one packed pass; returns fp32 logits [num sampling sequences, vocab]."""
+        """Run one packed pass; returns fp32 logits [num sampling sequences, vocab]. Sequences
+        asking for prompt logprobs get this pass's entries appended (pdserve.engine.prompt_logprobs)."""
         batch = ForwardBatch.build(
             token_ids=[
                 s.seq.token_ids(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
@@ -129,9 +131,12 @@ class ModelRunner:
             page_size=self.config.page_size,
             device=self.device,
         )
-        if self.graphs is not None and self.graphs.fits(batch):
+        prompt_rows = plan_prompt_rows(scheduled)
+        if self.graphs is not None and not prompt_rows and self.graphs.fits(batch):
             return self.graphs.replay(batch)
         hidden = self.model(batch)
+        if prompt_rows:
+            score_prompt_rows(hidden, prompt_rows, self.model.compute_logits)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         index = batch.logits_indices[torch.tensor(rows, dtype=torch.int64, device=self.device)]
         return self.model.compute_logits(hidden[index])

@@ -35,6 +35,11 @@ class Sequence:
     sampling: SamplingState | None = None  # shares `output_token_ids`
     stop_checker: object | None = None  # pdserve.sampling.stop.StopChecker when text is tracked
     logprobs: list[dict] = field(default_factory=list)
+    # params.prompt_logprobs set: [None, then one entry per prompt token] (engine.prompt_logprobs),
+    # filled as the prefill passes run; such a sequence computes every prompt position, so the
+    # prefix cache must not restore any of them for it
+    prompt_logprobs: list[dict | None] | None = None
+    skip_prefix_cache: bool = False
     # Hand-over (prefill service): after its first token the sequence is HELD, its pages and
     # slot kept under a lease until a decode instance has pulled them, instead of decoding on.
     handoff: bool = False
