@@ -4,7 +4,8 @@ Each check runs in a fresh interpreter through `tests/torch_blocked.py`, where i
 transformers, numpy, NIXL or pdserve's engine modules fails as it does in the router image:
 - `import router.server` and the healthcheck module `pdserve.rpc` load none of them;
 - `pdserve router` starts in under 2 s (first HTTP answer) and serves a completion through a
-  `pdserve engine` (torch allowed there) with them blocked;
+  `pdserve engine` (torch allowed there) with them blocked; building it leaves the prompt-length
+  bound's vocabulary pass (router.prompt_chars) for the first long prompt;
 - `python -m pdserve.rpc HOST:PORT` answers 0 for a live gRPC server, 1 for a dead port;
 - every package the router imports is in deploy/router-requirements.txt (what the image installs).
 """
@@ -18,23 +19,31 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from pdserve.registry import RedisServer
 from pdserve.rpc import RpcServer, free_port
 from pdserve.supervisor import popen_options
+from router.prompt_chars import max_chars_per_token, max_chars_per_token_async
 from tests.torch_blocked import ROOT, is_blocked
 
 RUNNER = [sys.executable, str(ROOT / "tests" / "torch_blocked.py")]
 REQUIREMENTS = ROOT / "deploy" / "router-requirements.txt"
-# issue 10 asks for 2 s: measured 2.3-3.1 s on a loaded 2-core machine (parsing tokenizer.json
-# dominates), so the test allows 3 s
-STARTUP_LIMIT_S = 3.0
+# issue 10: under 2 s on the 2-core CI machine. Spawn to the first /health answer, best of 3, on
+# one core: Python + imports (fastapi, pydantic, redis, grpc, uvicorn) ~0.5 s, parsing the tiny
+# model's tokenizer.json (Qwen3.6's, 15 MB, 248k tokens + 500k merges, the GIL held) ~0.9 s,
+# building the app and listening < 0.1 s: about 1.5 s on an idle core, a 25% margin for a CI
+# machine busy with pytest itself (a loaded machine measured 2.3-3.1 s before the
+# vocabulary pass left start-up). The failure message gives the CPU seconds too: a wall time far
+# above them means another process held the cores.
+STARTUP_LIMIT_S = 2.0
 ROUTER_MODULES = ("router.server", "pdserve.cli", "pdserve.rpc")
 
 
@@ -158,8 +167,11 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def start_router(argv: list[str], url: str, log: Path, env: dict[str, str]) -> tuple[subprocess.Popen, float]:
-    """`pdserve router` under the blocker, and the seconds until its /health answered with JSON."""
+def start_router(
+    argv: list[str], url: str, log: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen, float, float]:
+    """`pdserve router` under the blocker; the seconds until its /health answered with JSON, and
+    the CPU seconds it had used by then."""
     started = time.monotonic()
     router = spawn([*RUNNER, "-m", "pdserve.cli", *argv], log, env)
     while time.monotonic() - started < 60:
@@ -167,7 +179,8 @@ def start_router(argv: list[str], url: str, log: Path, env: dict[str, str]) -> t
             raise AssertionError(f"the router exited {router.returncode}:\n{log.read_text()[-3000:]}")
         try:
             httpx.get(f"{url}/health", timeout=1.0).json()
-            return router, time.monotonic() - started
+            seconds, cpu = time.monotonic() - started, psutil.Process(router.pid).cpu_times()
+            return router, seconds, cpu.user + cpu.system
         except (httpx.HTTPError, ValueError):
             time.sleep(0.02)
     stop(router)
@@ -187,16 +200,20 @@ def test_router_starts_fast_and_serves_without_torch(
     argv = ["router", "--model", str(tiny_model_dir), "--served-model-name", "tiny"]
     argv += ["--port", str(port), "--redis-url", redis.url, "--max-model-len", "256"]
     log = tmp_path / "router.log"
-    times = []
-    router, seconds = start_router(argv, url, log, env)
-    times.append(seconds)
-    while min(times) >= STARTUP_LIMIT_S and len(times) < 3:
-        stop(router)
-        router, seconds = start_router(argv, url, log, env)
+    times: list[float] = []
+    cpu_times: list[float] = []
+    router = None
+    while not times or (min(times) >= STARTUP_LIMIT_S and len(times) < 3):
+        if router is not None:
+            stop(router)
+        router, seconds, cpu = start_router(argv, url, log, env)
         times.append(seconds)
+        cpu_times.append(cpu)
     engine = None
     try:
-        assert min(times) < STARTUP_LIMIT_S, f"start-up took {[round(t, 2) for t in times]} s"
+        assert min(times) < STARTUP_LIMIT_S, (
+            f"start-up took {[round(t, 2) for t in times]} s (CPU {[round(t, 2) for t in cpu_times]} s)"
+        )
         engine_argv = ["engine", "--model", str(tiny_model_dir), "--dtype", "float32", "--max-model-len"]
         engine_argv += ["256", "--port", "0", "--redis-url", redis.url, "--instance-id", "engine-0"]
         engine = spawn([sys.executable, "-m", "pdserve.cli", *engine_argv], tmp_path / "engine.log", env)
@@ -215,6 +232,43 @@ def test_router_starts_fast_and_serves_without_torch(
             if proc is not None:
                 stop(proc)
     assert "blocked" not in log.read_text()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="router/handlers.py (H3's) still asks max_chars_per_token in OpenAIRouter.__init__; "
+    "it should await max_chars_per_token_async(self.tokenizer) in encode(), for long texts only",
+)
+def test_building_the_router_leaves_the_vocabulary_pass_for_later(tiny_model_dir: Path) -> None:
+    """The prompt-length bound reads the whole vocabulary (0.2-0.3 s): not at start-up."""
+    from router.server import RouterConfig, build_router
+
+    before = max_chars_per_token.cache_info().misses
+    router = build_router(RouterConfig(model=str(tiny_model_dir), redis_url="redis://127.0.0.1:1"))
+    asyncio.run(router.registry.close())
+    assert max_chars_per_token.cache_info().misses == before
+
+
+def test_the_vocabulary_pass_runs_off_the_event_loop(tiny_model_dir: Path) -> None:
+    from pdserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+
+    async def bound_and_loop_thread() -> tuple[int | None, bool]:
+        loop_thread = threading.get_ident()
+        threads = []
+        computed = max_chars_per_token.__wrapped__
+
+        def spy(t: object) -> int | None:
+            threads.append(threading.get_ident())
+            return computed(t)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("router.prompt_chars.max_chars_per_token", spy)
+            bound = await max_chars_per_token_async(tokenizer)
+        return bound, threads != [] and loop_thread not in threads
+
+    assert asyncio.run(bound_and_loop_thread()) == (128 * 4, True)
 
 
 @pytest.mark.parametrize(
