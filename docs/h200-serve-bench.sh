@@ -12,7 +12,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/pdserve-bench}
 W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
 CELLS=${CELLS:-"1024:4 1024:16 1024:32 8192:4 8192:16"}
-PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32: py-spy records the engine and the router 20 s into it
+PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32: py-spy records the engine and the router
+# for 12 s from PROFILE_AFTER (34) s into it: AIPerf's start (~20 s) and warm-up phase are over by then
 mkdir -p "$OUT"
 log() { echo "[bench $(date +%T)] $*" | tee -a "$OUT/bench.log"; }
 
@@ -44,10 +45,10 @@ for cell in $CELLS; do
     isl=${cell%:*} c=${cell#*:}
     log "aiperf isl=$isl c=$c"
     if [ "$cell" = "$PROFILE_CELL" ] && command -v py-spy >/dev/null; then
-        (sleep 25
+        (sleep "${PROFILE_AFTER:-34}"
          for role in engine router; do
              pid=$(pgrep -f "pdserve.cli $role" | head -1)
-             [ -n "$pid" ] && py-spy record --nonblocking -d 15 -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
+             [ -n "$pid" ] && py-spy record --nonblocking --idle -d 12 -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
                  >"$OUT/pyspy-$role.log" 2>&1 &
          done; wait) &
     fi
@@ -55,7 +56,14 @@ for cell in $CELLS; do
         --tokenizer $MODEL --isl "$isl" --isl-stddev 0 --osl 256 --extra-inputs ignore_eos:true \
         --concurrency "$c" --request-count $((3 * c)) --warmup-request-count "$c" --ui none \
         --artifact-dir "/tmp/aiperf/isl${isl}-c${c}" >"$OUT/aiperf-isl${isl}-c${c}.log" 2>&1
-    json=$(find "/tmp/aiperf/isl${isl}-c${c}" -name 'profile_export_aiperf.json' | head -1)
+    # AIPerf writes an export per phase: the profiling one is the one with the most requests
+    json=$(python3 - "/tmp/aiperf/isl${isl}-c${c}" <<'EOF2'
+import json, pathlib, sys
+found = [(json.loads(p.read_text()).get("request_count", {}).get("avg", 0), str(p))
+         for p in pathlib.Path(sys.argv[1]).rglob("profile_export_aiperf.json")]
+print(max(found)[1] if found else "")
+EOF2
+)
     [ -n "$json" ] && cp "$json" "$OUT/isl${isl}-c${c}.json"
     python3 - "$json" <<'EOF' | tee -a "$OUT/bench.log"
 import json, sys
@@ -69,3 +77,5 @@ EOF
 done
 kill -TERM $UP; wait $UP
 tail -5 "$OUT/up.log"
+# one archive for the logs and exports (the device tool brings back only a few files)
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude bench.log * && find . -type f ! -name results.tgz ! -name bench.log -delete)

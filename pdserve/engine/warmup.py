@@ -3,8 +3,11 @@ Triton compiles and autotunes its kernels now, not under the first requests (a f
 cost 8 s of TTFT on the H200, docs/benchmarks.md).
 
 Shape classes: prefill passes of 16, 32, ... up to `max_num_batched_tokens` tokens (one prompt,
-then the same tokens as many short prompts packed together), each followed by a few decode
-steps; decode batch sizes are compiled when their CUDA graphs are captured.
+one prompt a token shorter, then the same tokens as many short prompts packed together), each
+followed by a few decode steps; decode batch sizes are compiled when their CUDA graphs are
+captured. The shorter prompt is there because Triton compiles a kernel again for integer
+arguments that are not multiples of 16 (a token count of 1,031 is not): on the H200 those
+variants were compiled under traffic before it (py-spy, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def warm_up_passes(engine: LLMEngine) -> list[list[int]]:
     passes, n = [], 16
     while n <= longest:
         passes.append([n])
+        passes.append([n - 1])
         if n >= 2 * SHORT_PROMPT:
             passes.append([SHORT_PROMPT] * min(n // SHORT_PROMPT, c.max_num_seqs))
         n *= 2
