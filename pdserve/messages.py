@@ -143,13 +143,17 @@ class PrefillBurst:
 @dataclass(slots=True)
 class PrefillResult:
     """A request's first token (or its error). `lease` is set when decoding goes on elsewhere.
+    `token_id` is None when the request asked for no output token (max_tokens 0: its prompt
+    logprobs only). `prompt_logprobs` (asked for): one entry per prompt token, None for the first,
+    then {"token_id", "logprob", "rank", "top_logprobs": {id: logprob}}.
     `error_code`: "invalid" (the request's own fault: HTTP 400), "queue_full" (503, retry later),
     "aborted", "failed" (the engine failed it)."""
 
     request_id: str
-    token_id: int = 0
+    token_id: int | None = 0
     text_delta: str = ""
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -169,6 +173,8 @@ class PrefillResult:
         m = dict(_fields(cls, msg))
         m["lease"] = None if m.get("lease") is None else Lease.from_wire(m["lease"])
         _check("request_id", m.get("request_id"), str)
+        _check("token_id", m.get("token_id", 0), int, optional=True)
+        _check("prompt_logprobs", m.get("prompt_logprobs"), list, optional=True)
         return cls(**m)
 
 

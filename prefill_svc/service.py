@@ -132,9 +132,10 @@ class PrefillService(ServiceRole):
             results.append(
                 PrefillResult(
                     request_id=out.request_id,
-                    token_id=out.new_token_ids[0],
+                    token_id=out.new_token_ids[0] if out.new_token_ids else None,  # None: max_tokens 0
                     text_delta=out.text_delta,
                     logprobs=out.logprobs,
+                    prompt_logprobs=out.prompt_logprobs,
                     finished=out.finished,
                     finish_reason=out.finish_reason,
                     stop_reason=out.stop_reason,

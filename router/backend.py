@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from router.local_backend import LocalBackend
 
 
-__all__ = ["Backend", "BackendError", "GenerateRequest", "LocalBackend", "TokenEvent"]
+__all__ = ["Backend", "BackendError", "GenerateRequest", "LocalBackend", "TokenEvent", "prompt_entries"]
 
 
 @dataclass(slots=True)
@@ -44,6 +44,9 @@ class TokenEvent:
     `logprobs` has one entry per token (when the request asked for logprobs), shaped like
     `RequestOutput.logprobs` items: {"token_id", "logprob", "top_logprobs": {id: logprob}}.
     `cached_tokens`: prompt tokens served from a prefix cache (any event may carry it).
+    `prompt_logprobs` (the first event, when `params.prompt_logprobs` asked): one entry per prompt
+    token, shaped like `logprobs` items plus "rank"; the first token's has its "token_id" only
+    (nothing predicts it). `token_ids` is empty when `params.max_tokens` is 0 (the prompt scored).
     """
 
     token_ids: list[int]
@@ -52,6 +55,14 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None
     cached_tokens: int = 0
+    prompt_logprobs: list[dict] | None = None
+
+
+def prompt_entries(prompt_token_ids: list[int], engine_entries: list | None) -> list[dict] | None:
+    """`TokenEvent.prompt_logprobs` from the engine's (whose first entry is None, as vLLM's)."""
+    if engine_entries is None:
+        return None
+    return [{"token_id": prompt_token_ids[0]}, *engine_entries[1:]]
 
 
 class Backend(Protocol):

@@ -21,7 +21,7 @@ from dataclasses import asdict
 
 from pdserve.messages import DecodeEvent, DecodeStart, PrefillResult
 from pdserve.rpc import RpcError
-from router.backend import GenerateRequest, TokenEvent
+from router.backend import GenerateRequest, TokenEvent, prompt_entries
 from router.bursts import Background, BurstConfig, PrefillBursts
 from router.disagg_metrics import DisaggMetrics
 from router.errors import BackendError
@@ -65,14 +65,15 @@ class DisaggBackend:
         first, prefill = await self.bursts.first_token(req)
         self.metrics.cached_tokens.inc(first.num_cached_tokens)
         yield TokenEvent(
-            [first.token_id],
+            [] if first.token_id is None else [first.token_id],  # None: max_tokens 0, the prompt only
             first.text_delta,
             first.logprobs,
             first.finished,
             first.finish_reason,
             cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=prompt_entries(req.prompt_token_ids, first.prompt_logprobs),
         )
-        if first.finished:
+        if first.finished:  # max_tokens 0 or 1, a stop: no lease was made, no decode stream opens
             return
         for attempt in range(2):
             pulled, lost = False, None

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator
 
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from router.backend import BackendError, GenerateRequest, TokenEvent
+from router.backend import BackendError, GenerateRequest, TokenEvent, prompt_entries
 from router.metrics import RouterMetrics
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)  # seconds
@@ -102,12 +102,14 @@ class LocalBackend:
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             n = len(out.new_token_ids)
+            first = n == len(out.token_ids)  # the request's first output: its prompt logprobs go with it
             event = TokenEvent(
                 token_ids=list(out.new_token_ids),
                 text_delta=out.text_delta,
                 logprobs=None if out.logprobs is None else out.logprobs[len(out.logprobs) - n :],
                 finished=out.finished,
                 finish_reason=out.finish_reason,
+                prompt_logprobs=prompt_entries(out.prompt_token_ids, out.prompt_logprobs) if first else None,
             )
             self._send(out.request_id, event)
 

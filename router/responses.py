@@ -1,13 +1,15 @@
-"""Building OpenAI answers: responses, stream chunks, usage and the two logprobs formats.
+"""Building OpenAI answers: responses, stream chunks, usage (the logprobs formats are
+router.logprob_formats').
 
 A `ResponseFormat` (ChatFormat or CompletionFormat) is made per HTTP request; the app feeds it
-`Choice`s, one per backend generation, which accumulate the `TokenEvent`s. Chat logprobs are
-`{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`; completions logprobs are the
-legacy `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. A token's
-text is its own decode (special tokens kept), as vLLM does. A chat request with output parsing
-(router.chat_output: reasoning, tool calls) gives each choice a parser: streamed, each event's
-text goes through it into `reasoning_content` / `content` / `tool_calls` deltas; not streamed,
-the whole text does, into the message; after tool calls a "stop" finishes as "tool_calls".
+`Choice`s, one per backend generation, which accumulate the `TokenEvent`s. A completions choice
+with `echo` starts with the prompt's text and, with `logprobs`, the prompt tokens' logprobs (the
+first with null logprob), as vLLM returns them; streamed, both go in the choice's first chunk.
+Prompt logprobs asked for (`prompt_logprobs`) are also returned in vLLM's form: per choice for
+completions, at the top for chat. A chat request with output parsing (router.chat_output:
+reasoning, tool calls) gives each choice a parser: streamed, each event's text goes through it
+into `reasoning_content` / `content` / `tool_calls` deltas; not streamed, the whole text does,
+into the message; after tool calls a "stop" finishes as "tool_calls".
 `sse` frames one event of a stream; `ClosingStreamingResponse` sends a stream and releases what
 it holds however the stream ends.
 """
@@ -26,8 +28,7 @@ from starlette.types import Receive, Scope, Send
 from pdserve.tokenizer import Tokenizer
 from router.backend import TokenEvent
 from router.chat_output import ChatOutputParser, OutputParsing
-
-MIN_LOGPROB = -9999.0  # JSON has no -inf: a token the filters removed gets this (as in vLLM)
+from router.logprob_formats import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 
 
 def sse(data: dict | str) -> str:
@@ -59,9 +60,13 @@ class Choice:
     index: int
     prompt_tokens: int
     prefix: str = ""  # text put before the output (completions with echo: the prompt)
+    echo: bool = False  # completions: the prompt (text, and with logprobs its tokens') comes first
     deltas: list[str] = field(default_factory=list)  # joined once, at the end: no O(length) a token
     num_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    has_logprobs: bool = False  # the request asked for logprobs (max_tokens 0 yields no entry)
+    prompt_logprobs: list[dict] | None = None  # TokenEvent.prompt_logprobs, when asked for
+    started: bool = False  # a chunk of this choice went out (streaming)
     finish_reason: str | None = None
     cached_tokens: int = 0
     text_offset: int = 0  # completions logprobs: where the next token's text starts
@@ -75,6 +80,9 @@ class Choice:
         self.deltas.append(event.text_delta)
         self.num_tokens += len(event.token_ids)
         self.logprobs.extend(event.logprobs or ())
+        self.has_logprobs |= event.logprobs is not None
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.finish_reason = event.finish_reason
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
 
@@ -133,6 +141,7 @@ class ResponseFormat:
 
     def response(self, choices: list[Choice]) -> dict:
         body = self._envelope(self.object_name, [self.final_choice(c) for c in choices])
+        self.add_prompt_logprobs(body, choices)
         return {**body, "usage": usage(choices, self.n)}
 
     def one_choice_chunk(
@@ -143,19 +152,39 @@ class ResponseFormat:
     def event_chunk(self, choice: Choice, event: TokenEvent) -> dict | None:
         """The chunk of one event (after `choice.add(event)`); None when it has nothing to say
         (text held back for a stop string or an incomplete character, no logprobs)."""
-        if not (event.text_delta or event.logprobs or event.finished):
+        first = not choice.started
+        if not (event.text_delta or event.logprobs or event.finished or (first and choice.echo)):
             return None
-        logprobs = None if event.logprobs is None else self.logprobs(choice, event.logprobs)
-        return self.one_choice_chunk(choice.index, self.delta(event), logprobs, event.finish_reason)
+        choice.started = True
+        entries = event.logprobs
+        delta = self.delta(event)
+        if first and choice.echo:  # vLLM's first echo chunk: the prompt's text, then the output's
+            delta = {"text": choice.prefix + event.text_delta}
+            if choice.has_logprobs:
+                entries = [*(choice.prompt_logprobs or ()), *entries]
+        logprobs = None if entries is None else self.logprobs(choice, entries)
+        chunk = self.one_choice_chunk(choice.index, delta, logprobs, event.finish_reason)
+        if event.prompt_logprobs is not None:
+            self.add_prompt_logprobs(chunk, [choice])
+        return chunk
 
     def final_choice(self, choice: Choice) -> dict:
-        logprobs = self.logprobs(choice, choice.logprobs) if choice.logprobs else None
+        entries = choice.logprobs
+        if choice.echo:
+            entries = [*(choice.prompt_logprobs or ()), *entries]
+        logprobs = self.logprobs(choice, entries) if choice.has_logprobs else None
         return {
             "index": choice.index,
             **self.message(choice),
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
         }
+
+    def add_prompt_logprobs(self, body: dict, choices: list[Choice]) -> None:
+        """Put the choices' prompt logprobs (vLLM's form) into a response or chunk `body`."""
+        for choice, out in zip(choices, body["choices"], strict=True):
+            if choice.prompt_logprobs is not None:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(self.token_text, choice.prompt_logprobs)
 
     # ---- what differs between the two APIs
     def head_chunks(self, choices: list[Choice]) -> list[dict]:
@@ -170,10 +199,6 @@ class ResponseFormat:
 
     def logprobs(self, choice: Choice, entries: list[dict]) -> dict:
         raise NotImplementedError
-
-
-def _logprob(value: float) -> float:
-    return max(value, MIN_LOGPROB)
 
 
 class ChatFormat(ResponseFormat):
@@ -203,13 +228,22 @@ class ChatFormat(ResponseFormat):
         if event.finished:
             parsed.extend(parser.finish())
         delta = parsed.as_openai()
-        if not (delta or event.logprobs or event.finished):
+        if not (delta or event.logprobs or event.finished or event.prompt_logprobs is not None):
             return None
         if event.logprobs and not delta:
             delta = {"content": ""}
         logprobs = None if event.logprobs is None else self.logprobs(choice, event.logprobs)
         reason = parser.finish_reason(event.finish_reason)
-        return self.one_choice_chunk(choice.index, {"delta": delta}, logprobs, reason)
+        chunk = self.one_choice_chunk(choice.index, {"delta": delta}, logprobs, reason)
+        if event.prompt_logprobs is not None:
+            self.add_prompt_logprobs(chunk, [choice])
+        return chunk
+
+    def add_prompt_logprobs(self, body: dict, choices: list[Choice]) -> None:
+        """Chat answers carry the prompt's logprobs once, at the top (vLLM's place): one prompt."""
+        entries = next((c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), None)
+        if entries is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.token_text, entries)
 
     def final_choice(self, choice: Choice) -> dict:
         out = super().final_choice(choice)
@@ -234,26 +268,20 @@ class ChatFormat(ResponseFormat):
         return {"message": {"role": "assistant", "content": choice.text}}
 
     def logprobs(self, choice: Choice, entries: list[dict]) -> dict:
-        def item(token_id: int, value: float) -> dict:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode())}
-
-        return {
-            "content": [
-                {
-                    **item(e["token_id"], e["logprob"]),
-                    "top_logprobs": [item(*top) for top in e["top_logprobs"].items()],
-                }
-                for e in entries
-            ]
-        }
+        return chat_logprobs(self.token_text, entries)
 
 
 class CompletionFormat(ResponseFormat):
     id_prefix, object_name, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def head_chunks(self, choices: list[Choice]) -> list[dict]:
-        return [self.one_choice_chunk(c.index, {"text": c.prefix}) for c in choices if c.prefix]
+    def new_choice(
+        self, index: int, prompt_tokens: int, prefix: str = "", echo: bool | None = None
+    ) -> Choice:
+        """`prefix`: the prompt's text when the request echoes it (`echo`: None says so by a
+        non-empty prefix)."""
+        choice = super().new_choice(index, prompt_tokens, prefix)
+        choice.echo = bool(prefix) if echo is None else echo
+        return choice
 
     def delta(self, event: TokenEvent) -> dict:
         return {"text": event.text_delta}
@@ -263,14 +291,5 @@ class CompletionFormat(ResponseFormat):
 
     def logprobs(self, choice: Choice, entries: list[dict]) -> dict:
         """The legacy format; advances `choice.text_offset` over the tokens' text."""
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for e in entries:
-            text = self.token_text(e["token_id"])
-            top = {self.token_text(t): _logprob(v) for t, v in e["top_logprobs"].items()}
-            top.setdefault(text, _logprob(e["logprob"]))
-            out["tokens"].append(text)
-            out["token_logprobs"].append(_logprob(e["logprob"]))
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(choice.text_offset)
-            choice.text_offset += len(text)
+        out, choice.text_offset = completion_logprobs(self.token_text, entries, choice.text_offset)
         return out

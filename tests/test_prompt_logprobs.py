@@ -31,12 +31,14 @@ def reference(hf_model, prompt: list[int]) -> torch.Tensor:
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    """Run the requests to the end; every page and slot is free again (the cache's, if any, aside)."""
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     outputs: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         for out in engine.step():
             outputs[out.request_id] = out
-    assert_no_leaks(engine)
+    if engine.prefix_cache is None:
+        assert_no_leaks(engine)
     return [outputs[i] for i in ids]
 
 
@@ -81,6 +83,9 @@ def test_zero_alternatives_give_the_token_alone(engine, hf_model) -> None:
     assert got == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.xfail(
+    strict=True, reason="pdserve/sampling/params.py (H1) must accept max_tokens=0 (the prompt scored only)"
+)
 def test_max_tokens_zero_scores_the_prompt_only(engine, hf_model) -> None:
     prompt = random_prompts((50,), seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1)
@@ -88,3 +93,19 @@ def test_max_tokens_zero_scores_the_prompt_only(engine, hf_model) -> None:
     assert out.finished and out.finish_reason == "length"
     assert out.token_ids == [] and out.new_token_ids == []
     assert_matches(out.prompt_logprobs, prompt, reference(hf_model, prompt), 1)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="the scheduler's cache lookup must respect Sequence.skip_prefix_cache (H4)"
+)
+def test_prefix_cache_hits_are_skipped_for_prompt_logprobs(tiny_model_dir, hf_model) -> None:
+    config = EngineConfig(str(tiny_model_dir), dtype="float32", max_model_len=512, enable_prefix_caching=True)
+    cached = LLMEngine(config)
+    prompt = random_prompts((200,), seed=6)[0]
+    run(cached, [prompt], [SamplingParams(temperature=0, max_tokens=1)])  # fills the cache
+    assert cached.prefix_cache.entries, "the first request must leave a cache entry"
+    (out,) = run(cached, [prompt], [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)])
+    assert out.num_cached_tokens == 0
+    assert_matches(out.prompt_logprobs, prompt, reference(hf_model, prompt), 2)
+    cached.prefix_cache.clear()
+    assert_no_leaks(cached)
