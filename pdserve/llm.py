@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.request_defaults import RequestDefaults, SeedStream, choice_seed
 from pdserve.sampling.params import SamplingParams
 
 
 class LLM:
     """Runs a Qwen3.5/3.6-MoE checkpoint in this process.
 
-    Keyword arguments are `EngineConfig` fields: `device`, `dtype`, `load_format`,
-    `max_num_seqs`, `max_model_len`, `max_num_batched_tokens`, `page_size`, ...
+    As vLLM's `LLM`: `seed` seeds the requests that set none (pdserve.request_defaults: a run
+    repeats), `generation_config` ("auto", "vllm" or a folder) gives `get_default_sampling_params()`,
+    used when `generate` gets no sampling params. `dummy_weight_seed` seeds the random weights of
+    `load_format="dummy"`. The other keyword arguments are `EngineConfig` fields: `device`,
+    `dtype`, `load_format`, `max_num_seqs`, `max_model_len`, `max_num_batched_tokens`, ...
     """
 
-    def __init__(self, model: str, **kwargs: object) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+    def __init__(
+        self,
+        model: str,
+        seed: int | None = None,
+        generation_config: str = "auto",
+        dummy_weight_seed: int = 0,
+        **kwargs: object,
+    ) -> None:
+        config = EngineConfig(model=str(model), seed=dummy_weight_seed, **kwargs)
+        self.defaults = RequestDefaults.load(config.model, generation_config, seed)
+        self.seeds = SeedStream(seed)
+        self.engine = LLMEngine(config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's method)."""
+        budget = {} if self.defaults.max_tokens is None else {"max_tokens": self.defaults.max_tokens}
+        return SamplingParams(**budget, **self.defaults.sampling_fields())
 
     @property
     def tokenizer(self):  # noqa: ANN201 - pdserve.tokenizer.Tokenizer
@@ -31,7 +51,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); results in prompt order.
+        """Generate for every prompt (a string or a list of token ids); results in prompt order,
+        the `n` completions of a prompt next to each other (prompt i's j-th at i*n + j when all
+        share one n). Copy j of a seeded prompt samples with seed + j, as the router does.
 
         All prompts are validated before any runs: a bad one raises ValueError and nothing is queued.
         """
@@ -39,7 +61,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)
@@ -47,7 +69,13 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        copies = []  # (prompt, params of one completion)
+        for prompt, sp in zip(prompts, params, strict=True):
+            seed = self.seeds.next_seed() if sp.seed is None else sp.seed
+            for j in range(sp.n):
+                one = dataclasses.replace(sp, n=1, seed=None if seed is None else choice_seed(seed, j))
+                copies.append((prompt, one))
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in copies]
         for seq in seqs:
             self.engine.enqueue(seq)
         results: dict[str, RequestOutput] = {}

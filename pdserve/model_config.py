@@ -131,11 +131,13 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; pdserve serves {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         outer_eos = raw.get("eos_token_id")
+        # transformers ties the wrapper's lm_head by the wrapper's own flag (default false); its
+        # text_config's flag (saved as false) does not count; a text-only config says for itself
         tie = raw.get("tie_word_embeddings", False)
         if model_type == "qwen3_5_moe":
             if "text_config" not in raw:
                 raise ValueError("config.json of model_type qwen3_5_moe has no text_config")
-            raw = raw["text_config"]
+            raw = {**raw["text_config"], "tie_word_embeddings": tie}
         missing = [k for k in _REQUIRED if raw.get(k) is None]
         if missing:
             raise ValueError(f"config.json is missing required field(s): {', '.join(missing)}")
@@ -158,7 +160,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             partial_rotary_factor=float(partial),
             max_position_embeddings=raw.get("max_position_embeddings", 262_144),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", tie)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             model_type="qwen3_5_moe_text",
         )

@@ -173,8 +173,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
             iter_checkpoint(files), desc="loading weights", unit="tensor", leave=False
         ):
             name = normalize_name(raw_name)
-            if name is None:
-                continue
+            if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue  # tied: the output projection is the embedding (a saved copy is not read)
             rule = _match_rule(slicers, name)
             if rule is None:
                 unexpected.append(raw_name)
