@@ -28,11 +28,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, settings
 
-from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from router.app import create_app
-from router.local_backend import LocalBackend
-from router.metrics import RouterMetrics
 from tests.helpers import assert_no_leaks
 from tests.schema_checks import ROUTES, check_answer, keep_short
 from tests.schema_narrowing import narrow_requests
@@ -53,18 +49,19 @@ FUZZ = settings(
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> LLMEngine:
-    config = EngineConfig(
-        model=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN
-    )
-    return LLMEngine(config)
+    # imported here: tests.router_server is the plugin of other test modules too, and pytest warns
+    # when it finds a plugin module imported before their collection made it one
+    from tests.router_server import tiny_engine
+
+    return tiny_engine(tiny_model_dir, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def app(engine: LLMEngine) -> Iterator[FastAPI]:
-    metrics = RouterMetrics()
-    backend = LocalBackend(engine, metrics)
-    yield create_app(backend, engine.tokenizer, MODEL, metrics)
-    backend.close()
+    from tests.router_server import local_app
+
+    with local_app(engine, MODEL) as app:
+        yield app
 
 
 def configured(schema: schemathesis.BaseSchema) -> schemathesis.BaseSchema:
