@@ -40,7 +40,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     page_size: int = 16
     num_kv_pages: int | None = None  # None: sized from gpu_memory_utilization (GPU) or max_model_len (CPU)
-    num_state_slots: int | None = None  # None: max_num_seqs
+    # None: max_num_seqs, plus num_prefix_checkpoints with the prefix cache (a checkpoint is a slot)
+    num_state_slots: int | None = None
     gpu_memory_utilization: float = 0.9
     recurrent_state_dtype: str | torch.dtype = "float32"
     enforce_eager: bool = False  # True: no CUDA graphs for decode (vLLM's flag)
@@ -77,4 +78,5 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_state_slots is None:
-            self.num_state_slots = self.max_num_seqs
+            extra = self.num_prefix_checkpoints if self.enable_prefix_caching else 0
+            self.num_state_slots = self.max_num_seqs + extra

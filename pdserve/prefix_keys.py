@@ -1,16 +1,68 @@
-"""Prefix-cache keys: a chained hash over a prompt's token blocks. Pure Python, no engine: the
-prefix cache of every instance and the router's prefix-aware choice use this one function."""
+"""Prefix-cache keys, token-id based. Pure Python, no engine: the prefix cache of every instance
+and the router's prefix-aware choice use these functions.
+
+A cached prefix of `n` tokens is named by two things: its *parent*, the chained hash of its
+full blocks (`n // block_size` blocks; the salt alone for none), and its *tail*, the tokens
+after the last full block. A prefix that ends on a block boundary has an empty tail and is
+named by its block key; any other by a hash of the parent and the exact tail tokens. So a
+prompt that diverges from a cached conversation anywhere still finds every entry it fully
+contains, and nothing else.
+
+Markers: an instance holding entries with a tail under some parent publishes that parent's
+`tail_marker` too, so a router can tell where to look for tails (`candidate_keys`).
+"""
 
 from __future__ import annotations
 
 import hashlib
 
 
+def root_key(salt: str) -> bytes:
+    """The parent of a prefix shorter than one block."""
+    return salt.encode()
+
+
 def prefix_block_keys(token_ids: list[int], block_size: int, salt: str) -> list[bytes]:
     """Key of every full block boundary: key[i] covers tokens [0, (i + 1) * block_size)."""
-    keys, parent = [], salt.encode()
+    keys, parent = [], root_key(salt)
     for end in range(block_size, len(token_ids) + 1, block_size):
-        block = ",".join(map(str, token_ids[end - block_size : end])).encode()
-        parent = hashlib.sha256(parent + b"|" + block).digest()
+        parent = _block_key(parent, token_ids[end - block_size : end])
         keys.append(parent)
     return keys
+
+
+def extend_block_keys(keys: list[bytes], token_ids: list[int], block_size: int, salt: str) -> None:
+    """Append to `keys` (the block keys of a prefix of `token_ids`) those of every further full block."""
+    parent = keys[-1] if keys else root_key(salt)
+    for end in range((len(keys) + 1) * block_size, len(token_ids) + 1, block_size):
+        parent = _block_key(parent, token_ids[end - block_size : end])
+        keys.append(parent)
+
+
+def _block_key(parent: bytes, block: list[int]) -> bytes:
+    return hashlib.sha256(parent + b"|" + ",".join(map(str, block)).encode()).digest()
+
+
+def entry_key(parent: bytes, tail: list[int] | tuple[int, ...]) -> bytes:
+    """The key of the prefix `parent` + `tail` (`tail` shorter than a block): the block key
+    itself when the tail is empty."""
+    if not tail:
+        return parent
+    return hashlib.sha256(parent + b"|tail|" + ",".join(map(str, tail)).encode()).digest()
+
+
+def tail_marker(parent: bytes) -> bytes:
+    """Published next to entries that have a tail under `parent`: "look for tails here"."""
+    return hashlib.sha256(parent + b"|tails").digest()
+
+
+def parents_of(token_ids: list[int], block_size: int, salt: str) -> list[bytes]:
+    """parents[i] covers the first i * block_size tokens (parents[0] = the root)."""
+    return [root_key(salt), *prefix_block_keys(token_ids, block_size, salt)]
+
+
+def tail_keys(parent: bytes, tokens_after: list[int], max_len: int) -> list[tuple[int, bytes]]:
+    """(length, key) of every tail of 1 .. `max_len` tokens of `tokens_after` under `parent`,
+    longest first."""
+    n = min(max_len, len(tokens_after))
+    return [(t, entry_key(parent, tokens_after[:t])) for t in range(n, 0, -1)]

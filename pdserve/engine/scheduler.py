@@ -8,8 +8,12 @@ Each step:
   2. waiting sequences are admitted in order while the budget, `max_num_seqs`, state slots and
      pages allow: several prompts share one packed pass, a long prompt is chunked. With a
      prefix cache, an admitted prompt starts after its longest cached prefix, and a chunk stops
-     at the prompt's checkpoint boundary so its GDN state can be saved there; cache entries are
-     evicted before anything running is preempted.
+     at each of the prompt's checkpoint positions (`pdserve.engine.checkpoint_plan`) so its GDN
+     state can be copied there; a request that ends (finished, released, aborted) with its whole
+     prompt in its state leaves its slot and pages to the cache as an entry (no copy); cache
+     entries are evicted before anything running is preempted, for pages and for state slots
+     (a checkpoint is a state slot). Sequences in `fetching` (their prefix is being pulled
+     from a peer) wait, and later ones pass them.
 A sequence samples a token only in the step that brings it to its last token.
 
 Hand-over states (disaggregated serving):
@@ -28,7 +32,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pdserve.engine.prefix_cache import CacheEntry, PrefixCache
+from pdserve.engine.checkpoint_plan import plan_checkpoints
+from pdserve.engine.prefix_cache import CacheEntry, Lookup, PrefixCache
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.memory import GdnStatePool, KvPagePool
 
@@ -72,6 +77,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.held: dict[str, HeldLease] = {}
         self.receiving: dict[str, Sequence] = {}
+        # waiting sequences whose cached prefix is being pulled from a peer: not admitted yet
+        self.fetching: dict[str, Sequence] = {}
+        self._plans: dict[Sequence, list[tuple[int, str]]] = {}  # checkpoints still to save
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -103,29 +111,40 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and self._num_active() < self.max_num_seqs:
-            seq = self.waiting[0]
-            if self.state_pool.num_free == 0:
+        for seq in list(self.waiting):  # in order, past those whose prefix is still being fetched
+            if budget <= 0 or self._num_active() >= self.max_num_seqs:
                 break
-            cached = (
-                self.prefix_cache.lookup(seq) if self.prefix_cache and seq.num_computed_tokens == 0 else None
-            )
+            if seq.request_id in self.fetching:
+                continue
+            lookup = self._lookup(seq)
+            cached = lookup.entry if lookup else None
+            if not self._free_slot(keep=cached):
+                break
             start = cached.num_tokens if cached else seq.num_computed_tokens
-            self._plan_checkpoint(seq, start)
+            self._plan_checkpoints(seq, start, lookup)
             n = self._chunk(seq, start, budget)
-            held = len(cached.pages) if cached else len(seq.block_table)
+            held = self.prefix_cache.pages_to_share(cached) if cached else len(seq.block_table)
             if not self._make_room(self.kv_pool.pages_for(start + n) - held, keep=cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.state_slot = self.state_pool.allocate()
             if cached:
                 self.prefix_cache.restore(cached, seq)
+            elif lookup is not None:
+                self.prefix_cache.stats.miss(lookup.reason)
             self._grow(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def _lookup(self, seq: Sequence) -> Lookup | None:
+        """What the prefix cache holds of a prompt about to start from scratch (None: no cache,
+        or a request that must compute every position)."""
+        if self.prefix_cache is None or seq.num_computed_tokens or getattr(seq, "skip_prefix_cache", False):
+            return None
+        return self.prefix_cache.lookup(seq)
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """How many tokens `seq` computes this step, from token `start`."""
@@ -134,11 +153,18 @@ class Scheduler:
             n = min(n, seq.checkpoint_at - start)
         return n
 
-    def _plan_checkpoint(self, seq: Sequence, start: int) -> None:
-        seq.checkpoint_at = None
-        if self.prefix_cache is not None:
-            boundary = self.prefix_cache.checkpoint_boundary(seq.num_prompt_tokens)
-            seq.checkpoint_at = boundary if boundary > start else None
+    def _plan_checkpoints(self, seq: Sequence, start: int, lookup: Lookup | None) -> None:
+        plan = [] if self.prefix_cache is None else plan_checkpoints(self.prefix_cache, seq, start, lookup)
+        self._plans[seq] = plan
+        seq.checkpoint_at = plan[0][0] if plan else None
+
+    def _free_slot(self, keep: CacheEntry | None = None) -> bool:
+        """True once a state slot is free, evicting a checkpoint entry (but `keep`) if need be."""
+        cache = self.prefix_cache
+        while self.state_pool.num_free == 0 and cache is not None and cache.checkpoints.num_used:
+            if not cache.evict_one(keep):
+                break
+        return self.state_pool.num_free > 0
 
     def _make_room(self, pages: int, keep: CacheEntry | None = None) -> bool:
         """True once `pages` pages are free, evicting prefix-cache entries (but `keep`) if need be."""
@@ -148,10 +174,13 @@ class Scheduler:
         return pages <= self.kv_pool.num_free
 
     def reached_checkpoint(self, seq: Sequence) -> None:
-        """Called after each pass: save the prefix checkpoint of a sequence that just reached it."""
-        if seq.checkpoint_at is not None and seq.num_computed_tokens == seq.checkpoint_at:
-            self.prefix_cache.save(seq)
-            seq.checkpoint_at = None
+        """Called after each pass: save the prefix checkpoint of a sequence that just reached one."""
+        if seq.checkpoint_at is None or seq.num_computed_tokens != seq.checkpoint_at:
+            return
+        plan = self._plans.get(seq) or [(seq.checkpoint_at, "boundary")]
+        _, kind = plan.pop(0)
+        self.prefix_cache.save(seq, kind)
+        seq.checkpoint_at = plan[0][0] if plan else None
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give `seq` pages for `n` more tokens; False when the pool cannot."""
@@ -165,13 +194,16 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s memory and queue it first; it recomputes its tokens when readmitted."""
         self.running.remove(seq)
-        self._release(seq)
+        self._release(seq, keep_entry=False)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """End `seq` wherever it is and free its memory."""
+        """End `seq` wherever it is and free its memory (the prefix cache may keep it: a request
+        whose whole prompt is in its state leaves an entry of every token it computed)."""
+        clean = seq.status in (SequenceStatus.RUNNING, SequenceStatus.HELD)
+        self.fetching.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -181,9 +213,14 @@ class Scheduler:
         if held is not None and held.seq is seq:
             del self.held[seq.request_id]
         seq.status = SequenceStatus.FINISHED
-        self._release(seq)
+        self._release(seq, keep_entry=clean)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, keep_entry: bool) -> None:
+        self._plans.pop(seq, None)
+        cache = self.prefix_cache
+        if keep_entry and cache is not None and seq.state_slot is not None:
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                cache.adopt(seq, "decode" if seq.num_computed_tokens > seq.num_prompt_tokens else "end")
         self.kv_pool.free(seq.block_table)
         seq.block_table = []
         if seq.state_slot is not None:
@@ -222,6 +259,8 @@ class Scheduler:
         if lease is None or lease.lease_id != lease_id:
             return None
         del self.held[request_id]
+        if self.prefix_cache is not None:  # its prompt's final state, before decoding moves it on
+            self.prefix_cache.save(lease.seq, "end")
         lease.seq.status = SequenceStatus.RUNNING
         lease.seq.handoff = False
         self.running.append(lease.seq)
@@ -231,7 +270,7 @@ class Scheduler:
     def reserve(self, seq: Sequence, num_pages: int) -> bool:
         """Give `seq` `num_pages` pages and a slot for an incoming transfer (RECEIVING), keeping a
         page of headroom per running sequence; False (nothing taken) when they do not fit."""
-        if self._num_active() >= self.max_num_seqs or self.state_pool.num_free == 0:
+        if self._num_active() >= self.max_num_seqs or not self._free_slot():
             return False
         if not self._make_room(num_pages + len(self.running)):
             return False

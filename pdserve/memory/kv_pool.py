@@ -57,6 +57,14 @@ class KvPagePool:
                 raise RuntimeError(f"KV page {page} is not allocated; it cannot be shared")
             self._refs[page] += 1
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page `src` into page `dst` (every layer, K and V): copy-on-write of a shared
+        page that its new holder will write into."""
+        self.kv[:, :, dst].copy_(self.kv[:, :, src])
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
     def free(self, pages: list[int]) -> None:
         """One holder fewer for each page; a page nobody holds goes back to the free heap."""
         for page in pages:

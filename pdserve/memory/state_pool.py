@@ -50,12 +50,14 @@ class GdnStatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
+    def allocate(self, zero: bool = True) -> int:
+        """A free slot, zeroed (`zero=False`: for a slot about to be overwritten whole)."""
         if not self._free:
             raise MemoryError("GDN state pool has no free slot")
         slot = self._free.pop()
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
+        if zero:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:
