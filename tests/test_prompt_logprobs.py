@@ -95,9 +95,6 @@ def test_max_tokens_zero_scores_the_prompt_only(engine, hf_model) -> None:
     assert_matches(out.prompt_logprobs, prompt, reference(hf_model, prompt), 1)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the scheduler's cache lookup must respect Sequence.skip_prefix_cache (H4)"
-)
 def test_prefix_cache_hits_are_skipped_for_prompt_logprobs(tiny_model_dir, hf_model) -> None:
     config = EngineConfig(str(tiny_model_dir), dtype="float32", max_model_len=512, enable_prefix_caching=True)
     cached = LLMEngine(config)
