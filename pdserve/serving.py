@@ -3,7 +3,8 @@ service process), `EngineHost` (an engine, its pools registered with a NIXL agen
 thread) and `ServiceRole` (the prefill or decode half that a host serves; one host can serve
 both: one engine holding both roles on one GPU).
 
-The engine thread's callbacks go to every role; each takes the requests it knows.
+The engine thread's callbacks go to every role; each takes the requests it knows. The host logs
+a stats line every 10 s while it serves (pdserve.serving_stats; off with --disable-log-stats).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.warmup import warm_up
 from pdserve.registry import InstanceRegistry
+from pdserve.serving_stats import STATS_INTERVAL_S, ServingStats
 
 log = logging.getLogger("pdserve.serving")
 LOAD_REFRESH_S = 0.1  # how often the engine thread refreshes the published load
@@ -51,6 +53,8 @@ class ServiceConfig:
     transfer_timeout_s: float = 10.0
     # decode: give up on a request that found no memory for this long (below handoff_timeout_s)
     admission_timeout_s: float = 30.0
+    # seconds between two stats lines in the log (pdserve.serving_stats); 0: none
+    log_stats_interval_s: float = STATS_INTERVAL_S
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -58,6 +62,11 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--instance-id", default=f"{role}-{socket.gethostname()}")
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--advertise-host", default=None, help="host other processes dial (default: --host)")
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no stats line in the log every 10 s (throughputs, running, waiting, KV cache, prefix hits)",
+    )
     if role in ("prefill", "engine"):
         parser.add_argument(
             "--handoff-timeout", type=float, default=60.0, help="free unpulled state after (s)"
@@ -86,6 +95,7 @@ def service_config_from_args(args: argparse.Namespace, role: str) -> ServiceConf
         port=args.port,
         advertise_host=args.advertise_host,
         redis_url=args.redis_url,
+        log_stats_interval_s=0.0 if args.disable_log_stats else STATS_INTERVAL_S,
         **{k: v for k, v in optional.items() if v is not None},
     )
 
@@ -179,6 +189,8 @@ class EngineHost:
         self._load_at = 0.0
         self._prefix_keys: list[str] = []  # snapshot of the cache's keys, replaced on the engine thread
         self._prefix_version = -1
+        caching = self.engine.prefix_cache is not None
+        self.stats = ServingStats(config.instance_id, config.log_stats_interval_s, prefix_cache=caching)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
 
     def start(self) -> None:
@@ -207,6 +219,7 @@ class EngineHost:
 
     # ---- the engine thread's callbacks
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.stats.observe(outputs)
         for role in self.roles:
             role.on_outputs(outputs)
 
@@ -228,4 +241,6 @@ class EngineHost:
             for role in self.roles:
                 load |= role.load()
             self._load, self._load_at = load, now
+            if (line := self.stats.line(load, now)) is not None:
+                log.info(line)
         return busy
