@@ -68,7 +68,7 @@ class Admission:
     def admit(self, num_generations: int, arrival: float) -> Ticket:
         """A request's place in the queue, or OpenAIError(503) when it would overfill it."""
         if self.max_queued is not None and self.queued and self.queued + num_generations > self.max_queued:
-            self.metrics.rejected.labels(reason="queue_full").inc()
+            self.metrics.reject("queue_full")
             raise OpenAIError(
                 f"the server is busy: {self.queued} generations are waiting for a first token "
                 f"(at most {self.max_queued}); retry later",
@@ -98,7 +98,7 @@ class Ticket:
             try:
                 item = await asyncio.wait_for(fanout.next(), self.deadline - time.monotonic())
             except TimeoutError:
-                self.admission.metrics.rejected.labels(reason="queue_timeout").inc()
+                self.admission.metrics.reject("queue_timeout")
                 raise QueueTimeout(self.admission.timeout_s) from None
         if item[0] in self.queued:
             self.queued.discard(item[0])

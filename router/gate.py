@@ -96,7 +96,7 @@ class RequestGate:
             return await self.app(scope, self._counted(receive), send)
         if self.in_flight.get(key.key, 0) >= key.max_concurrency:
             if self.metrics is not None:
-                self.metrics.rejected.labels(reason="key_concurrency").inc()
+                self.metrics.reject("key_concurrency")
             message = f"this API key already has {key.max_concurrency} requests in flight (its limit)"
             return await self._refuse(scope, receive, send, message, 429, "rate_limit_exceeded")
         self.in_flight[key.key] = self.in_flight.get(key.key, 0) + 1

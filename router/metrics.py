@@ -15,15 +15,22 @@ one backend generation: a chat request with n=2 counts twice.
   pdserve:requests_rejected_total       counter    HTTP requests refused or ended by admission, label
                                                    reason: queue_full, queue_timeout, key_concurrency
 
+  pdserve:kv_cache_usage_perc           gauge      KV pages in use over KV pages of the live
+                                                   instances (0..1; router.scaling_metrics)
+
+Given the served model's name (`RouterMetrics(model_name=...)`), each of these carries it as the
+label `model_name`, as vLLM's do, so that its dashboards' model filter works.
+
 A backend adds its own (prefill batch sizes, transfer bytes and time, per-instance load) with
 `metrics.histogram(...)`, `metrics.counter(...)`, `metrics.gauge(...)`: same registry, same
-prefix, shown by the app's `/metrics`.
+prefix, shown by the app's `/metrics`, without `model_name`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -35,33 +42,62 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 240, 480, 960)
 
 __all__ = ["CONTENT_TYPE", "RequestTracker", "RouterMetrics"]
+MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 
 
 class RouterMetrics:
     """The router's metrics plus a factory for a backend's own."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.ttft = self.histogram(
-            "time_to_first_token_seconds", "Arrival at the router to the first token.", TTFT_BUCKETS
+        self.model_labels = {"model_name": model_name} if model_name else {}
+        model = tuple(self.model_labels)
+        own = self._with_model_name
+        self.ttft = own(
+            self.histogram(
+                "time_to_first_token_seconds",
+                "Arrival at the router to the first token.",
+                TTFT_BUCKETS,
+                model,
+            )
         )
-        self.itl = self.histogram(
-            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
+        self.itl = own(
+            self.histogram(
+                "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS, model
+            )
         )
-        self.e2e = self.histogram(
-            "e2e_request_latency_seconds", "Arrival at the router to the last token.", E2E_BUCKETS
+        self.e2e = own(
+            self.histogram(
+                "e2e_request_latency_seconds", "Arrival at the router to the last token.", E2E_BUCKETS, model
+            )
         )
-        self.waiting = self.gauge("num_requests_waiting", "Requests handed to the backend, no token yet.")
-        self.running = self.gauge("num_requests_running", "Requests streaming tokens.")
-        self.prompt_tokens = self.counter("prompt_tokens", "Prompt tokens of requests that started.")
-        self.generation_tokens = self.counter("generation_tokens", "Generated tokens.")
-        self.success = self.counter(
-            "request_success", "Finished requests by finish reason.", labelnames=("finished_reason",)
+        self.waiting = own(
+            self.gauge("num_requests_waiting", "Requests handed to the backend, no token yet.", model)
         )
-        self.errors = self.counter("request_errors", "Generations ended by a backend error.")
-        self.rejected = self.counter(
-            "requests_rejected", "Requests refused or ended by admission control.", labelnames=("reason",)
+        self.running = own(self.gauge("num_requests_running", "Requests streaming tokens.", model))
+        self.prompt_tokens = own(
+            self.counter("prompt_tokens", "Prompt tokens of requests that started.", model)
         )
+        self.generation_tokens = own(self.counter("generation_tokens", "Generated tokens.", model))
+        self.errors = own(self.counter("request_errors", "Generations ended by a backend error.", model))
+        self._success = self.counter(
+            "request_success", "Finished requests by finish reason.", (*model, "finished_reason")
+        )
+        self._rejected = self.counter(
+            "requests_rejected", "Requests refused or ended by admission control.", (*model, "reason")
+        )
+
+    def _with_model_name(self, metric: MetricT) -> MetricT:
+        """One of the router's own series, its child of this model's name when there is one."""
+        return metric.labels(**self.model_labels) if self.model_labels else metric
+
+    def finished(self, finish_reason: str) -> None:
+        """A generation finished (request_success_total, by finish reason)."""
+        self._success.labels(**self.model_labels, finished_reason=finish_reason).inc()
+
+    def reject(self, reason: str) -> None:
+        """Admission refused or ended a request: queue_full, queue_timeout, key_concurrency."""
+        self._rejected.labels(**self.model_labels, reason=reason).inc()
 
     # ---- factories: the router's metrics above, and whatever a backend registers
     def histogram(
@@ -111,7 +147,7 @@ class RequestTracker:
         m.generation_tokens.inc(num_tokens)
         self.last = now
         if finish_reason is not None:
-            m.success.labels(finished_reason=finish_reason).inc()
+            m.finished(finish_reason)
             m.e2e.observe(now - self.arrival)
             self._move(None)
 

@@ -13,6 +13,11 @@ collector sums it per role at each scrape, so one query answers "how busy is the
 Prefill scales on its queue (deploy/k8s: requests waiting per prefill pod), decode on running
 sequences and KV use. Every router of a deployment reads the same registry, so each reports the
 same values: aggregate over routers with `max`, not `sum`.
+
+Beside them, vLLM's KV gauge for dashboards, over the whole deployment:
+
+  pdserve:kv_cache_usage_perc{model_name}   gauge  KV pages in use / KV pages, summed over the live
+                                                   instances (one holding both roles counted once)
 """
 
 from __future__ import annotations
@@ -53,16 +58,38 @@ def role_load(instances: list[InstanceInfo]) -> dict[str, float]:
     }
 
 
+def deployment_kv_usage(live: dict[str, dict[str, InstanceInfo]]) -> float:
+    """KV pages in use over KV pages of every live instance that reports them (0 when none does);
+    an engine holding both roles is registered under both with one pool: counted once."""
+    pools = {}
+    for instances in live.values():
+        for i in instances.values():
+            total, free = i.load.get("kv_pages"), i.load.get("free_kv_pages")
+            if total and free is not None:
+                pools[i.extra.get("agent") or f"{i.role}/{i.instance_id}"] = (total, min(free, total))
+    total = sum(pages for pages, _ in pools.values())
+    return 1.0 - sum(free for _, free in pools.values()) / total if total else 0.0
+
+
 class RoleLoadCollector(Collector):
     """Reads `InstanceSet.live` at scrape time (on the event loop that serves /metrics)."""
 
-    def __init__(self, instances: InstanceSet) -> None:
+    def __init__(self, instances: InstanceSet, model_name: str | None = None) -> None:
         self.instances = instances
+        self.model_labels = {"model_name": model_name} if model_name else {}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        per_role = {role: role_load(list(self.instances.live.get(role, {}).values())) for role in ROLES}
+        live = self.instances.live
+        per_role = {role: role_load(list(live.get(role, {}).values())) for role in ROLES}
         for name, documentation in METRICS.items():
             family = GaugeMetricFamily(PREFIX + name, documentation, labels=["role"])
             for role in ROLES:
                 family.add_metric([role], per_role[role][name])
             yield family
+        family = GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc",
+            "KV pages in use over KV pages of the live instances (0..1).",
+            labels=list(self.model_labels),
+        )
+        family.add_metric(list(self.model_labels.values()), deployment_kv_usage(live))
+        yield family
