@@ -49,24 +49,26 @@ class EngineConfig:
     prefix_block_size: int = 64  # tokens per cache block (a multiple of page_size)
     num_prefix_checkpoints: int = 32  # GDN state checkpoints kept on the device
     # what the engine serves: "prefill" captures no decode graphs (it never decodes), "decode"
-    # keeps no prefix cache (it never fills one), "both" (offline, or one engine on one GPU)
+    # (its prefix cache holds finished generations, for a prefill instance to pull), "both"
+    # (offline, or one engine on one GPU)
     role: str = "both"
     model_config: ModelConfig = field(init=False)
+    # max_model_len was not given: the memory plan may lower it to the longest request that fits
+    fit_max_model_len: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.model_config = ModelConfig.from_pretrained(self.model)
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be 'both', 'prefill' or 'decode', got {self.role!r}")
-        if self.role == "decode":
-            self.enable_prefix_caching = False
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype == "auto":
             self.dtype = torch.float32 if self.device == "cpu" else torch.bfloat16
         self.dtype = parse_dtype(self.dtype)
         self.recurrent_state_dtype = parse_dtype(self.recurrent_state_dtype)
-        if self.max_model_len is None:
-            self.max_model_len = min(self.model_config.max_position_embeddings, 32_768)
+        if self.max_model_len is None:  # the model's, lowered to what fits by the memory plan
+            self.max_model_len = self.model_config.max_position_embeddings
+            self.fit_max_model_len = True
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "page_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
