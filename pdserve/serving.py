@@ -233,7 +233,7 @@ class EngineHost:
             busy = role.tick() or busy
         cache = self.engine.prefix_cache
         if cache is not None and cache.version != self._prefix_version:  # rebuilt only on a change
-            self._prefix_keys = [key.hex() for key in cache.entries]
+            self._prefix_keys = cache.published_keys()  # entries + tail markers (pdserve.prefix_keys)
             self._prefix_version = cache.version
         now = time.monotonic()
         if now - self._load_at >= LOAD_REFRESH_S:
