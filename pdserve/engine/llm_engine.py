@@ -89,10 +89,13 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(prompt_ids) >= self.config.max_model_len + (params.max_tokens == 0):
+        limit = self.config.max_model_len
+        if len(prompt_ids) >= limit + (params.max_tokens == 0):  # max_tokens 0: no output token
+            lowered = limit < self.model_config.max_position_embeddings and self.config.fit_max_model_len
+            why = " (the longest request the KV pool holds)" if lowered else ""
             raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; max_model_len {self.config.max_model_len} "
-                "leaves no room for an output token"
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len {limit}{why} leaves no room "
+                "for an output token"
             )
         bad_stops = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stops:

@@ -66,8 +66,8 @@ class ModelRunner:
     def _num_kv_pages(self) -> int:
         c = self.config
         per_page = KvPagePool.bytes_per_page(c.model_config, c.page_size, c.dtype)
-        floor = -(-c.max_model_len // c.page_size)  # one sequence of max_model_len must always fit
         if c.num_kv_pages is not None:
+            floor = self._fit_max_model_len(c.num_kv_pages)
             if c.num_kv_pages < floor:
                 raise ValueError(f"num_kv_pages {c.num_kv_pages} cannot hold max_model_len {c.max_model_len}")
             return c.num_kv_pages + self.reserved
@@ -78,10 +78,13 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * c.gpu_memory_utilization - (total - free) - ACTIVATION_RESERVE_BYTES
             pages = int(budget // per_page) - self.reserved
+            floor = self._fit_max_model_len(pages)
             if pages < floor:
                 raise MemoryPlanError(self._plan_line(budget, total, free, floor * per_page))
         else:
-            pages = min(c.max_num_seqs * floor, CPU_KV_BUDGET_BYTES // per_page)
+            available = CPU_KV_BUDGET_BYTES // per_page
+            floor = self._fit_max_model_len(available)
+            pages = min(c.max_num_seqs * floor, available)
             if pages < floor:
                 raise ValueError(
                     f"{pages} KV pages cannot hold one sequence of max_model_len {c.max_model_len}"
@@ -100,6 +103,23 @@ class ModelRunner:
             c.num_state_slots,
         )
         return pages
+
+    def _fit_max_model_len(self, pages: int) -> int:
+        """Pages one request of max_model_len needs (all of them must always fit). A max_model_len
+        that was not given (the model's max_position_embeddings) is lowered to the longest
+        request `pages` KV pages hold, and said (vLLM's default); a given one is kept."""
+        c = self.config
+        if c.fit_max_model_len and 0 < pages * c.page_size < c.max_model_len:
+            logger.warning(
+                "max_model_len %d: the KV pool holds %d pages of %d tokens, less than the model's "
+                "max_position_embeddings %d (--max-model-len sets it; more memory raises it)",
+                pages * c.page_size,
+                pages,
+                c.page_size,
+                c.max_model_len,
+            )
+            c.max_model_len = pages * c.page_size
+        return -(-c.max_model_len // c.page_size)
 
     def _weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
