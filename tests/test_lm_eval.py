@@ -169,8 +169,11 @@ def test_max_tokens_zero_returns_the_prompt_logprobs_and_holds_nothing(
     deadline = time.monotonic() + 5
     while True:
         loads = asyncio.run(instance_loads(stack))
+        # idle: nothing running, queued, held under a lease or arriving, and every KV page free
+        # but those the prefix cache keeps (its checkpoints hold state slots: not a lease's)
         idle = [
-            not any(load.get(k) for k in BUSY) and load["free_state_slots"] == load["state_slots"]
+            not any(load.get(k) for k in BUSY)
+            and load["free_kv_pages"] + load["prefix_cache_pages"] == load["kv_pages"]
             for load in loads
         ]
         if len(loads) == 2 and all(idle):
