@@ -7,7 +7,7 @@ for `--output-len` tokens (ignore_eos), on /v1/completions (token-id prompts) or
 last answer), TTFT, TPOT and ITL (p50 / p99), end-to-end latency, and the requests that failed
 (counted, with their reasons: the run goes on). vLLM's `bench serve` flag names work too.
 Works against pdserve's router or any server taking token-id prompts (vLLM, SGLang).
-docs/benchmarking.md compares its figures with AIPerf's.
+docs/bench-serve.md compares its figures with AIPerf's.
 """
 
 from __future__ import annotations
