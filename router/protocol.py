@@ -3,9 +3,13 @@
 Request models accept what OpenAI's API and vLLM's extensions (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids, ...) accept, and chat's tools (router.tools). A field
 either API defines that the router does not implement is a 400 naming it (router.unsupported:
-logit_bias, response_format, ...); informational fields (user, metadata, ...)
+bad_words, beam search, ...); informational fields (user, metadata, ...)
 and names neither API knows are ignored, as vLLM does. Types are checked by pydantic (-> 400
 via router.errors); values by `SamplingParams` (its ValueError -> 400 with the reason).
+
+Structured output (response_format, structured_outputs, guided_*, and chat's tool_choice
+"required" or a named function) becomes SamplingParams.structured_outputs (router.structured);
+logit_bias's keys become token ids, checked against the vocabulary like allowed_token_ids.
 
 Integers: every one a request carries is range-checked here, before anything is encoded (the
 disaggregated backend sends requests as msgpack, which stops at 64 bits): `Int64` at parse time
@@ -37,8 +41,17 @@ from pydantic import (
 )
 
 from pdserve.sampling.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from router.chat_output import ChatParsingConfig
 from router.errors import OpenAIError
-from router.tools import ChatTool
+from router.structured import (
+    guided_specs,
+    one_spec,
+    response_format_spec,
+    tool_call_spec,
+    vllm_spec,
+    with_reasoning,
+)
+from router.tools import REQUEST_CHAT_PARSING, ChatTool, forced_function, tool_choice_kind
 from router.unsupported import refuse_unsupported
 
 _OPTIONAL_SAMPLING = (  # None: SamplingParams' default
@@ -49,8 +62,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, a surrogate left
 FLOAT32_MIN_NORMAL = 2.0**-126  # the sampler works in float32: a smaller top_p would round to 0
 _PASSED_ON = (
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-    "prompt_logprobs",
+    "prompt_logprobs", "allowed_token_ids",
 )  # fmt: skip
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -151,6 +165,14 @@ class OpenAIRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Int64 | None = None  # vLLM's: logprobs of the prompt tokens (range: SamplingParams)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    response_format: dict[str, Any] | None = None  # router.structured: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -188,9 +210,34 @@ class OpenAIRequest(BaseModel):
             )
         return room if requested is None else requested
 
-    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
-        """The request's sampling parameters (n included); raises ValueError on a bad value."""
+    def structured_outputs_spec(self, chat_parsing: ChatParsingConfig | None) -> dict[str, Any] | None:
+        """The one structured output the request asks for (router.structured), or None."""
+        return one_spec(
+            [
+                ("response_format", response_format_spec(self.response_format)),
+                ("structured_outputs", vllm_spec(self.structured_outputs)),
+                *guided_specs({name: getattr(self, name) for name in GUIDED_FIELDS}),
+            ]
+        )
+
+    def token_bias(self, vocab_size: int) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not k.isdigit()]
+        if bad:
+            raise OpenAIError(f"logit_bias keys must be token ids, got {bad[0]!r}", param="logit_bias")
+        bias = {int(k): v for k, v in self.logit_bias.items()}
+        check_token_ids(list(bias), vocab_size, "logit_bias")
+        return bias
+
+    def sampling_params(
+        self, max_tokens: int, vocab_size: int, chat_parsing: ChatParsingConfig | None = None
+    ) -> SamplingParams:
+        """The request's sampling parameters (n included); raises ValueError on a bad value.
+        `chat_parsing`: the router's output-parsing flags (chat; by default those that
+        router.tools.resolve_tools recorded for this request)."""
         check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
+        check_token_ids(self.allowed_token_ids or [], vocab_size, "allowed_token_ids")
         if self.top_k is not None and self.top_k > vocab_size:
             raise OpenAIError(
                 f"top_k must be -1 or 0 (off) or in [1, {vocab_size}] (the vocabulary), got {self.top_k}",
@@ -200,7 +247,15 @@ class OpenAIRequest(BaseModel):
         if 0 < given.get("top_p", 1) < FLOAT32_MIN_NORMAL:  # what it asks for: the top token only
             given["top_p"] = FLOAT32_MIN_NORMAL
         given.update({k: getattr(self, k) for k in _PASSED_ON})
-        return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=self.num_logprobs(), **given)
+        spec = self.structured_outputs_spec(chat_parsing or REQUEST_CHAT_PARSING.get())
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            logprobs=self.num_logprobs(),
+            logit_bias=self.token_bias(vocab_size),
+            structured_outputs=spec,
+            **given,
+        )
 
 
 class ChatMessage(BaseModel):
@@ -225,6 +280,26 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def structured_outputs_spec(self, chat_parsing: ChatParsingConfig | None) -> dict[str, Any] | None:
+        """As for completions, and a tool call when tool_choice forces one; with the reasoning
+        tags of --reasoning-parser."""
+        spec = super().structured_outputs_spec(chat_parsing)
+        parsing = chat_parsing or ChatParsingConfig()
+        if tool_choice_kind(self.tool_choice, bool(self.tools)) in ("required", "named"):
+            if spec is not None:
+                raise OpenAIError(
+                    "a forced tool call (tool_choice) cannot be combined with another structured output",
+                    param="tool_choice",
+                )
+            if parsing.tool_call_parser is None:
+                raise OpenAIError("tool_choice forcing a call needs --tool-call-parser", param="tool_choice")
+            tools = [tool.model_dump(exclude_unset=True) for tool in self.tools or ()]
+            forced = forced_function(self.tool_choice)
+            spec = tool_call_spec(
+                tools, forced, parsing.tool_call_parser, self.parallel_tool_calls is not False
+            )
+        return with_reasoning(spec, parsing.reasoning_parser)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

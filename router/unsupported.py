@@ -1,7 +1,7 @@
 """Request fields the router knows but does not implement: a 400 naming the field, never a silent 200.
 
 OpenAI's API and vLLM's extensions have fields that change what a request means (structured
-output, logit bias, beam search, ...). The router does not do them yet, so a
+output backends other than xgrammar, bad words, beam search, ...). The router does not do them, so a
 request that asks for one is refused with `param` set to the field; a field sent with its
 neutral value (null, false, {}, [], `response_format: {"type": "text"}`, `best_of` equal to n)
 asks for nothing and passes. Informational fields (`user`, `metadata`, `store`,
@@ -27,20 +27,13 @@ NEUTRAL_TOO = {
     "priority": (0,),
     "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
+    "guided_decoding_backend": ("xgrammar", "auto"),
 }
-STRUCTURED = "structured output needs constrained decoding"
+STRUCTURED = "structured output is built on xgrammar"
 _BOTH = {
-    "logit_bias": "",
-    "response_format": 'only {"type": "text"} is; ' + STRUCTURED,
-    "structured_outputs": STRUCTURED,
-    "guided_json": STRUCTURED,
-    "guided_regex": STRUCTURED,
-    "guided_choice": STRUCTURED,
-    "guided_grammar": STRUCTURED,
-    "guided_decoding_backend": STRUCTURED,
-    "guided_whitespace_pattern": STRUCTURED,
-    "allowed_token_ids": "",
-    "bad_words": "",
+    "guided_decoding_backend": "only xgrammar (or auto) is; " + STRUCTURED,
+    "guided_whitespace_pattern": "disable_any_whitespace is",
+    "bad_words": "allowed_token_ids and logit_bias are",
     "use_beam_search": "no beam search",
     "length_penalty": "no beam search",
     "best_of": "only best_of equal to n is",

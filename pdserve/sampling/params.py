@@ -11,11 +11,19 @@ stop_token_ids below 2**63. Stop strings are bounded: at most `MAX_STOP_STRINGS`
 most `MAX_STOP_CHARS` characters in all. The stop checker builds an automaton of their
 characters per request (pdserve.sampling.stop): their total length is its set-up time on the
 engine thread (about 0.5 us a character) and its memory.
+
+Constraints on the next token: `logit_bias` (OpenAI's: token id -> a bias in [-100, 100] added
+to its logit), `allowed_token_ids` (vLLM's) and `structured_outputs` (a grammar the output must
+follow: pdserve.sampling.spec). A grammar decides where the output ends, so it cannot be
+combined with `ignore_eos` or `min_tokens`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from pdserve.sampling.spec import check_structured_outputs
 
 # Temperatures below this are greedy (vLLM's threshold): dividing by them would overflow.
 GREEDY_EPS = 1e-5
@@ -23,6 +31,8 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 64  # OpenAI allows 4, TGI 4 by default, vLLM any number
 MAX_STOP_CHARS = 4096  # all stop strings of a request together
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias
+MAX_BIASED_TOKENS = 4096
 
 
 def _is_int(value: object) -> bool:
@@ -64,12 +74,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top alternatives per prompt token (vLLM's; 0: its own only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    structured_outputs: dict[str, Any] | None = None  # pdserve.sampling.spec (json, regex, ...)
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_distribution()
         self._check_penalties()
         self._check_stops()
+        self._check_token_constraints()
         if self.top_k == 0:
             self.top_k = -1
 
@@ -131,6 +145,33 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be ints in [0, 2**63), got {bad!r}")
         self.stop = stop
         self.stop_token_ids = ids
+
+    def _check_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_BIASED_TOKENS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_BIASED_TOKENS} token ids")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                token_id = int(token) if isinstance(token, str) and token.isdigit() else token
+                if not _is_int_in(token_id, 0) or not _is_number(value) or not abs(value) <= MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        "logit_bias maps token ids in [0, 2**63) to numbers in [-100, 100], "
+                        f"got {token!r}: {value!r}"
+                    )
+                bias[token_id] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids or not all(_is_int_in(t, 0) for t in ids):
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of ints in [0, 2**63), got {ids!r}"
+                )
+        self.structured_outputs = check_structured_outputs(self.structured_outputs)
+        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
+            name = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise ValueError(
+                f"{name} cannot be combined with structured_outputs: the grammar decides the end"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -3,12 +3,16 @@
 One step, on the logits' device, with per-request knobs gathered into [B] tensors once
 (`SamplingTensors.from_requests`) so that no stage loops over requests:
 
-  1. penalties: repetition (prompt + output tokens, vLLM/HF), presence and frequency
+  1. constraints (pdserve.sampling.constraints): grammar bitmasks of the structured rows,
+     allowed_token_ids, logit_bias
+  2. penalties: repetition (prompt + output tokens, vLLM/HF), presence and frequency
      (output tokens only, OpenAI's formula); then min_tokens masks eos and stop_token_ids
-  2. logprobs come from the RAW logits (before step 1), as vLLM returns them by default
-  3. greedy rows (temperature 0) take the argmax of the penalised logits
-  4. the other rows: temperature -> top-k -> top-p -> min-p -> exponential race
-     (argmax of probs / q with q ~ Exp(1), which draws from probs)
+  3. logprobs come from the RAW logits (before steps 1-2), as vLLM returns them by default
+  4. greedy rows (temperature 0) take the argmax of the constrained, penalised logits
+  5. the other rows: temperature -> min-p -> top-k -> top-p -> exponential race
+     (argmax of probs / q with q ~ Exp(1), which draws from probs); min-p before top-k/top-p
+     as vLLM orders them: with probabilities [.4, .3, .2, .1], min_p .3 and top_p .75 keep
+     tokens 0 and 1 only
 
 The only per-request loop is the draw of q for seeded rows: each uses its own
 `torch.Generator`, kept by the caller in its `SamplingState` across steps, so a seeded
@@ -20,12 +24,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from pdserve.sampling.constraints import apply_constraints
 from pdserve.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.sampling.grammar import RequestGrammar
 
 
 def replay_draws(state: SamplingState, vocab_size: int, num_tokens: int, device: torch.device | str) -> None:
@@ -50,7 +59,7 @@ class SamplingState:
 
     `output_token_ids` is the caller's list and grows as the request runs; `generator` is
     set (on the logits' device) exactly when `params.seed` is, and must live as long as the
-    request does.
+    request does. A structured request's grammar matcher is made on its first step.
     """
 
     params: SamplingParams
@@ -59,6 +68,7 @@ class SamplingState:
     eos_token_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
     _prompt_ids: Tensor | None = field(default=None, init=False, repr=False)  # made once, on the device
+    _grammar: RequestGrammar | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def create(
@@ -76,6 +86,14 @@ class SamplingState:
         if self._prompt_ids is None or self._prompt_ids.device != device:
             self._prompt_ids = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
         return self._prompt_ids
+
+    def output_grammar(self) -> RequestGrammar | None:
+        """The matcher of a structured request (made on first use), else None."""
+        if self._grammar is None and self.params.structured_outputs is not None:
+            from pdserve.sampling.grammar import RequestGrammar
+
+            self._grammar = RequestGrammar(self.params, self.prompt_token_ids, self.eos_token_ids)
+        return self._grammar
 
     def min_tokens_blocked_ids(self) -> list[int]:
         """Token ids that may not be sampled yet: stop tokens while min_tokens is unmet."""
@@ -264,7 +282,7 @@ class Sampler:
         t = SamplingTensors.from_requests(requests, logits.shape[1], logits.device)
         logits = logits.to(torch.float32, copy=True)
         raw_logprobs = None if t.max_num_logprobs is None else logits.log_softmax(dim=-1)
-        logits = apply_penalties(logits, t)
+        logits = apply_penalties(apply_constraints(logits, requests), t)
         if t.blocked is not None:
             logits[t.blocked] = float("-inf")
         token_ids = logits.argmax(dim=-1)
@@ -278,9 +296,8 @@ class Sampler:
 
     @staticmethod
     def _sample_random(logits: Tensor, t: SamplingTensors) -> Tensor:
-        logits = logits / t.temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, t.top_k, t.top_p, t.max_top_k)
-        probs = apply_min_p(logits, t.min_p).softmax(dim=-1)
+        logits = apply_min_p(logits / t.temperature.unsqueeze(1), t.min_p)
+        probs = apply_top_k_top_p(logits, t.top_k, t.top_p, t.max_top_k).softmax(dim=-1)
         q = torch.empty_like(probs)
         if len(t.seeded) < q.shape[0]:
             q.exponential_()

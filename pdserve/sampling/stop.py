@@ -16,6 +16,8 @@ skipped special tokens) the window moves on anyway: it never grows with the outp
      until it is resolved either way.
   3. max_tokens output tokens -> "length"
 Stop tokens and stop strings count only once more than min_tokens tokens were produced.
+A structured request's grammar is compiled when its checker is made (it has the tokenizer):
+pdserve.sampling.grammar.prepare_request.
 
 Cost per token: the stop strings are one Aho-Corasick automaton (`StopStrings`); each new
 character is one (amortised) transition, so a token costs O(its characters) whatever the
@@ -155,6 +157,10 @@ class StopChecker:
     """
 
     def __init__(self, params: SamplingParams, tokenizer: Decoder, eos_token_ids: Sequence[int] = ()) -> None:
+        if params.structured_outputs is not None:  # compiled now: a bad grammar is this request's error
+            from pdserve.sampling.grammar import prepare_request
+
+            prepare_request(params, tokenizer)
         self.params = params
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
