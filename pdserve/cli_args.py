@@ -4,12 +4,14 @@ Engine flags carry `vllm serve`'s names. Their parser defaults are None, meaning
 `EngineConfig` default": `EngineConfig` stays the one place defaults live, and `pdserve up`
 passes on to its children only what the user set (`engine_argv`).
 
-    add_engine_arguments(parser)   --model --device --dtype --load-format --seed --max-num-seqs
-                                   --max-model-len --max-num-batched-tokens
-                                   --gpu-memory-utilization --served-model-name --host --port
+    add_engine_arguments(parser)   --model --device --dtype --load-format --dummy-weight-seed
+                                   --max-num-seqs --max-model-len --max-num-batched-tokens
+                                   --gpu-memory-utilization --host --port
     engine_config_from_args(args)  -> EngineConfig
 
-`pdserve.launcher` re-exports both (the services import them from there).
+`pdserve.launcher` re-exports both (the services import them from there). vLLM's `--seed` (the
+sampling seed of requests that set none) and `--served-model-name` are the router's
+(router.api_flags); the random weights of `--load-format dummy` take `--dummy-weight-seed`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
 
-# flag -> (EngineConfig field, type); --model, --device and --served-model-name are handled apart
+# flag -> (EngineConfig field, type); --model and --device are handled apart
 ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--dtype": ("dtype", str),
     "--load-format": ("load_format", str),
-    "--seed": ("seed", int),
+    "--dummy-weight-seed": ("seed", int),
     "--max-num-seqs": ("max_num_seqs", int),
     "--max-model-len": ("max_model_len", int),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
@@ -40,12 +42,17 @@ _HELP = {
     "--enable-prefix-caching": "the hybrid prefix cache: shared KV pages + GDN state checkpoints",
     "--dtype": "model dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16",
     "--load-format": "auto (safetensors) or dummy (random weights, for benchmarks)",
-    "--seed": "seed of the dummy weights (--load-format dummy)",
+    "--dummy-weight-seed": "seed of the random weights of --load-format dummy (default 0)",
     "--max-num-seqs": "most sequences running at once",
     "--max-model-len": "longest prompt + output, in tokens",
     "--max-num-batched-tokens": "most tokens in one engine step",
     "--gpu-memory-utilization": "share of GPU memory the process may use, in (0, 1]",
 }
+
+
+def _dest(flag: str) -> str:
+    """The attribute of parsed arguments a flag sets (argparse's: `--max-num-seqs` -> max_num_seqs)."""
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def add_engine_arguments(
@@ -59,12 +66,9 @@ def add_engine_arguments(
     )
     group.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
     for flag, (_name, kind) in ENGINE_FLAGS.items():
-        group.add_argument(flag, type=kind, default=None, help=_HELP[flag])
+        group.add_argument(flag, dest=_dest(flag), type=kind, default=None, help=_HELP[flag])
     for flag in ENGINE_SWITCHES:
         group.add_argument(flag, action="store_true", help=_HELP[flag])
-    group.add_argument(
-        "--served-model-name", default=None, metavar="NAME", help="model name in the API (default: --model)"
-    )
     group.add_argument("--host", default=host, help=f"address to listen on (default {host})")
     group.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
 
@@ -84,7 +88,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     if args.model is None:
         raise ValueError("--model is required")
-    kwargs = {name: getattr(args, name) for name, _kind in ENGINE_FLAGS.values()}
+    kwargs = {name: getattr(args, _dest(flag)) for flag, (name, _kind) in ENGINE_FLAGS.items()}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     kwargs.update({name: True for name in ENGINE_SWITCHES.values() if getattr(args, name, False)})
     return EngineConfig(model=args.model, device=resolve_device(args.device), **kwargs)
@@ -94,10 +98,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags that were set, as command-line arguments (for a child process).
     `--model` and `--device` are left out: the caller passes them resolved."""
     argv: list[str] = []
-    for flag, (name, _kind) in ENGINE_FLAGS.items():
-        if getattr(args, name) is not None:
-            argv += [flag, str(getattr(args, name))]
+    for flag in ENGINE_FLAGS:
+        if (value := getattr(args, _dest(flag))) is not None:
+            argv += [flag, str(value)]
     argv += [flag for flag, name in ENGINE_SWITCHES.items() if getattr(args, name, False)]
-    if args.served_model_name is not None:
-        argv += ["--served-model-name", args.served_model_name]
     return argv

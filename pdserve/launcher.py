@@ -1,7 +1,9 @@
 """`pdserve up`: the whole stack on one machine, as supervised child processes.
 
 Lifecycle:
-  1. model    --model, or the embedded tiny model (made once, on the CPU)
+  1. model    MODEL or --model (served under the name as typed unless --served-model-name
+              says otherwise; the children get its resolved path), or the embedded tiny model
+              (made once, on the CPU)
   2. secrets  an internal secret (a 0600 file in a private temp folder) and, for the private
               Redis, a random password; children get them in their environment only
               (PDSERVE_INTERNAL_SECRET_FILE, PDSERVE_REDIS_PASSWORD), never on a command line
@@ -10,8 +12,9 @@ Lifecycle:
               free loopback port, registering in Redis as prefill-0.., decode-0..; on GPUs,
               process i gets CUDA_VISIBLE_DEVICES = GPU (i mod #GPUs), prefill first. One GPU
               (or --colocate): ONE `pdserve engine` process holding both roles (weights once)
-  5. router   `pdserve router --port P`, then poll http://HOST:P/health until it answers 200
-              with the prefill and decode instances live (a child dying here fails the start)
+  5. router   `pdserve router --port P` with the API flags (router.api_flags), then poll
+              http://HOST:P/health until it answers 200 with the prefill and decode instances
+              live (a child dying here fails the start)
   6. serve    print the URL; a child that dies is restarted with backoff (pdserve.supervisor),
               the private Redis on its port
   7. stop     on SIGINT/SIGTERM: the router (SIGTERM; it drains for --shutdown-timeout, then
@@ -19,146 +22,52 @@ Lifecycle:
               for those that outstay their time
 
 Children run in their own process groups (a terminal's Ctrl-C reaches only the launcher) and
-die with the launcher, even when it is SIGKILLed (pdserve.supervisor).
+die with the launcher, even when it is SIGKILLed (pdserve.supervisor); pdserve.up_stack holds
+and stops them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import secrets
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 from pdserve import layout
 from pdserve.cli_args import add_engine_arguments, engine_argv, engine_config_from_args, resolve_device
 from pdserve.config import ModelConfig
-from pdserve.registry import RedisServer
-from pdserve.supervisor import Child, die_with_parent_wrapper, is_running, say, stop_children
+from pdserve.supervisor import Child, say
+from pdserve.up_stack import Stack, StartupError, health
+from router.api_flags import add_api_arguments, add_model_argument, api_argv, model_from_args
 
 # the services import the engine flags from here
 __all__ = ["add_arguments", "add_engine_arguments", "engine_config_from_args", "run"]
 
 CLI = (sys.executable, "-m", "pdserve.cli")  # how a child pdserve command starts
-SERVICE_GRACE_S = 10.0
-ROUTER_EXIT_S = 5.0  # after its --shutdown-timeout: the router's error events, then its exit
-SECRET_ENVS = ("PDSERVE_INTERNAL_SECRET_FILE", "PDSERVE_INTERNAL_SECRET")
 
 
-class StartupError(RuntimeError):
-    pass
-
-
-def health(url: str) -> dict | None:
-    """The router's /health JSON when it answers 200, else None."""
+def model_and_device(args: argparse.Namespace) -> tuple[str, str, str]:
+    """Step 1: MODEL or --model (checked) or the tiny default model on the CPU: (its resolved
+    path, for the children; the name it is served as: as typed; the device)."""
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
-            return json.loads(response.read()) if response.status == 200 else None
-    except (OSError, ValueError, urllib.error.URLError):
-        return None
-
-
-def split_redis_password(url: str) -> tuple[str, str | None]:
-    """(the URL without its password, the password or None): the password travels apart."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url, None
-    user = urllib.parse.quote(parts.username or "", safe="")
-    netloc = (f"{user}@" if user else "") + parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), urllib.parse.unquote(parts.password)
-
-
-class Stack:
-    """The children of one `pdserve up` (and the private folder of its secret), supervised."""
-
-    def __init__(self) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # mode 0700
-        self.env: dict[str, str] = {}  # the secrets' variables, for every child
-        self.redis: RedisServer | None = None  # the private one
-        self.redis_url = ""
-        self.services: list[Child] = []
-        self.router: Child | None = None
-
-    @property
-    def children(self) -> list[Child]:
-        return self.services + ([self.router] if self.router else [])
-
-    def make_secrets(self, redis_url: str | None) -> None:
-        """Step 2-3: the internal secret (PDSERVE_INTERNAL_SECRET(_FILE) of our environment, else
-        a new one in a 0600 file), and Redis: `redis_url` (its password moved to the
-        environment), else a private redis-server with a random password."""
-        if not any(os.environ.get(name) for name in SECRET_ENVS):
-            path = self.folder / "internal-secret"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(secrets.token_hex(32))
-            self.env["PDSERVE_INTERNAL_SECRET_FILE"] = str(path)
-        if redis_url:
-            self.redis_url, password = split_redis_password(redis_url)
-        else:
-            password = secrets.token_hex(32)
-            try:
-                binary = die_with_parent_wrapper("redis-server", self.folder)
-                self.redis = RedisServer(binary=binary, password=password).start()
-            except RuntimeError as e:
-                raise StartupError(str(e)) from e
-            self.redis_url = split_redis_password(self.redis.url)[0]
-            say(f"redis at {self.redis_url} (its password in the children's environment)")
-        if password is not None:
-            self.env["PDSERVE_REDIS_PASSWORD"] = password
-
-    def failure(self) -> str | None:
-        return next((f for f in (c.failure() for c in self.children) if f), None)
-
-    def supervise(self) -> str | None:
-        """Restart dead children (with backoff); a message when the stack cannot go on."""
-        now = time.monotonic()
-        for child in self.children:
-            child.poll_restart(now)
-        if self.redis is not None and not is_running(self.redis.pid or 0):
-            say("the private redis-server died: starting it again on its port")
-            try:
-                self.redis.restart()  # empty: the services register again within a heartbeat
-            except RuntimeError as e:
-                return f"the private redis-server died and did not start again: {e}"
-            say(f"restarted redis (pid {self.redis.pid})")
-        return None
-
-    def stop(self, shutdown_timeout_s: float, hurry: threading.Event) -> None:
-        if self.router is not None:
-            say(f"stopping the router (up to {shutdown_timeout_s:g}s for open streams)")
-            stop_children([self.router], shutdown_timeout_s + ROUTER_EXIT_S, hurry)
-        if self.services:
-            say(f"stopping {len(self.services)} service(s)")
-            stop_children(self.services, SERVICE_GRACE_S, hurry)
-        if self.redis is not None:
-            say("stopping redis")
-            self.redis.stop()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def model_and_device(args: argparse.Namespace) -> tuple[str, str]:
-    """Step 1: --model (checked) or the tiny default model on the CPU."""
-    if args.model is None:
+        typed = model_from_args(args)
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+    if typed is None:
         from pdserve.tiny import default_model_dir
 
-        model, device = str(default_model_dir(progress=say)), args.device or "cpu"
+        typed = model = str(default_model_dir(progress=say))
+        device = args.device or "cpu"
     else:
-        model, device = str(Path(args.model).resolve()), resolve_device(args.device)
+        model, device = str(Path(typed).resolve()), resolve_device(args.device)
     try:
         ModelConfig.from_pretrained(model)  # a bad --model fails here, not in every child
     except ValueError as e:
-        raise StartupError(f"--model {model}: {e}") from e
-    return model, device
+        raise StartupError(f"--model {typed}: {e}") from e
+    return model, typed, device
 
 
 def router_key_options(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -171,9 +80,11 @@ def router_key_options(args: argparse.Namespace) -> tuple[list[str], dict[str, s
     return flags, ({"PDSERVE_API_KEY": key} if key else {})
 
 
-def spawn(args: argparse.Namespace, stack: Stack, plan: list[layout.ServiceProcess], model: str) -> None:
-    """Steps 4-5: start the services, then the router. Secrets go in the environment; the API
-    key reaches the router only."""
+def spawn(
+    args: argparse.Namespace, stack: Stack, plan: list[layout.ServiceProcess], model: str, typed: str
+) -> None:
+    """Steps 4-5: start the services, then the router (`typed`: the model as the user gave it, its
+    default served name). Secrets go in the environment; the API key reaches the router only."""
     base_env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"} | stack.env
     engine = engine_argv(args)
     util = layout.shared_gpu_memory_utilization(plan)
@@ -189,9 +100,9 @@ def spawn(args: argparse.Namespace, stack: Stack, plan: list[layout.ServiceProce
         stack.services.append(Child(p.name, argv, env))
         say(f"started {p.name} (pid {stack.services[-1].pid})" + (f" on GPU {p.gpu}" if p.gpu else ""))
     argv = [*CLI, "router", *model_args, "--host", args.host, "--port", str(args.port)]
-    argv += ["--shutdown-timeout", str(args.shutdown_timeout)]
-    if args.served_model_name is not None:
-        argv += ["--served-model-name", args.served_model_name]
+    argv += ["--shutdown-timeout", str(args.shutdown_timeout), *api_argv(args)]
+    if not args.served_model_name:
+        argv += [f"--served-model-name={typed}"]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
     key_flags, key_env = router_key_options(args)
@@ -225,7 +136,7 @@ def wait_ready(args: argparse.Namespace, stack: Stack, want: dict[str, int], sto
 def start(args: argparse.Namespace, stack: Stack, stopping: threading.Event) -> str:
     """Steps 1-5 of the lifecycle; returns the router's URL. Raises StartupError."""
     t0 = time.monotonic()
-    model, device = model_and_device(args)
+    model, typed, device = model_and_device(args)
     try:
         plan = layout.plan_services(args.prefill, args.decode, args.colocate, device)
     except layout.LayoutError as e:
@@ -235,7 +146,7 @@ def start(args: argparse.Namespace, stack: Stack, stopping: threading.Event) -> 
     stack.make_secrets(args.redis_url)
     if stopping.is_set():
         raise StartupError("interrupted during startup")
-    spawn(args, stack, plan, model)
+    spawn(args, stack, plan, model, typed)
     url = wait_ready(args, stack, layout.role_counts(plan), stopping)
     say(f"ready in {time.monotonic() - t0:.1f}s: {layout.describe(plan)}")
     return url
@@ -243,7 +154,9 @@ def start(args: argparse.Namespace, stack: Stack, stopping: threading.Event) -> 
 
 # ---- `pdserve up` (registered in pdserve/cli.py)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
     add_engine_arguments(parser, host="127.0.0.1", port=8000, model_required=False)
+    add_api_arguments(parser)
     parser.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill processes (1)")
     parser.add_argument("--decode", type=int, default=None, metavar="M", help="decode processes (1)")
     parser.add_argument(

@@ -24,7 +24,6 @@ from pathlib import Path
 from pdserve.sampling.params import INT64_MIN, SamplingParams
 
 log = logging.getLogger("pdserve")
-GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a folder
 # generation_config.json key -> the request field it is the default of
 GENERATION_FIELDS = {
     "temperature": "temperature",

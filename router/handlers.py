@@ -32,13 +32,16 @@ Request lifecycle (chat and completions alike):
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import replace
 
 from fastapi import Request, Response
 
+from pdserve.request_defaults import SeedStream, choice_seed
 from pdserve.tokenizer import Tokenizer
 from router.admission import Admission
+from router.api_flags import ApiOptions
 from router.backend import Backend, GenerateRequest
 from router.chat_output import ChatParsingConfig, OutputParsing, tags_decode_to_nothing
 from router.chat_template import render_chat
@@ -46,14 +49,8 @@ from router.drain import Drain
 from router.errors import OpenAIError
 from router.generation import Generations
 from router.metrics import RouterMetrics
-from router.prompt_chars import max_chars_per_token
-from router.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIRequest,
-    check_token_ids,
-    choice_seed,
-)
+from router.prompt_chars import max_chars_per_token_async
+from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_ids
 from router.responses import ChatFormat, CompletionFormat, ResponseFormat
 from router.tools import resolve_tools
 
@@ -68,51 +65,84 @@ class OpenAIRouter:
         self,
         backend: Backend,
         tokenizer: Tokenizer,
-        model: str,
+        names: tuple[str, ...],
         metrics: RouterMetrics,
         admission: Admission,
         drain: Drain,
         chat_parsing: ChatParsingConfig,
+        api: ApiOptions,
     ) -> None:
         self.backend = backend
         self.chat_parsing = chat_parsing
         self.hidden_tags = tags_decode_to_nothing(tokenizer)
         self.drain = drain
         self.tokenizer = tokenizer
-        self.model = model
+        self.names = names  # every one is accepted in `model`
+        self.model = names[0]  # the one answers carry
+        self.api = api
+        self.seeds = SeedStream(api.defaults.seed)
         self.metrics = metrics
         self.admission = admission
         self.generations = Generations(backend, metrics, admission, drain)
-        self.chars_per_token = None if tokenizer is None else max_chars_per_token(tokenizer)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
-            message = f"The model `{model}` does not exist (this server serves `{self.model}`)."
+        if model is not None and model not in self.names:
+            served = ", ".join(f"`{name}`" for name in self.names)
+            message = f"The model `{model}` does not exist (this server serves {served})."
             raise OpenAIError(message, 404, param="model", code="model_not_found")
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    def fill_in(self, body: OpenAIRequest) -> None:
+        """The request's unset sampling fields from the defaults (generation_config.json, --seed),
+        after a 400 for logprobs beyond --max-logprobs."""
+        asked = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        for field in (asked, "prompt_logprobs"):
+            value = getattr(body, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > self.api.max_logprobs:
+                raise OpenAIError(
+                    f"{field} is {value}, more than this server returns ({self.api.max_logprobs}, its "
+                    "--max-logprobs)",
+                    param=field,
+                )
+        for field, value in self.api.defaults.sampling_fields().items():
+            if getattr(body, field) is None:
+                setattr(body, field, value)
+        if body.seed is None:
+            body.seed = self.seeds.next_seed()
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         """Tokenize off the event loop (a long prompt must not stall every other stream), unless
         the text is too long to fit whatever its tokens: a 400 for `param` at once."""
+        encode = self.tokenizer.encode
+        if add_special_tokens:  # (/tokenize's; a generation prompt is rendered with its own)
+            encode = functools.partial(encode, add_special_tokens=True)
         if len(text) < ENCODE_INLINE_CHARS:
-            return self.tokenizer.encode(text)
+            return encode(text)
         max_model_len = self.backend.max_model_len()
-        if self.chars_per_token is not None and len(text) > max_model_len * self.chars_per_token:
+        chars_per_token = await max_chars_per_token_async(self.tokenizer)
+        if chars_per_token is not None and len(text) > max_model_len * chars_per_token:
             raise OpenAIError(
                 f"This model's maximum context length is {max_model_len} tokens, and a token covers at "
-                f"most {self.chars_per_token} characters: a prompt of {len(text)} characters cannot fit. "
+                f"most {chars_per_token} characters: a prompt of {len(text)} characters cannot fit. "
                 "Please reduce the length of the prompt.",
                 param=param,
             )
-        return await asyncio.to_thread(self.tokenizer.encode, text)
+        return await asyncio.to_thread(encode, text)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        arrival = time.monotonic()
-        self.check_model(body.model)
+    def chat_text(self, body: ChatCompletionRequest) -> tuple[str, list[dict] | None, bool]:
+        """(the prompt text through the chat template, the tools it got, whether the output is
+        parsed for tool calls)."""
         tools, parse_tools = resolve_tools(body.tools, body.tool_choice, self.chat_parsing)
         messages = body.template_messages()
         text = render_chat(
             self.tokenizer, messages, body.add_generation_prompt, tools, body.chat_template_kwargs
         )
+        return text, tools, parse_tools
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        self.fill_in(body)
+        text, tools, parse_tools = self.chat_text(body)
         parallel = body.parallel_tool_calls is not False
         parsing = OutputParsing.for_request(
             self.chat_parsing, text, tools, parse_tools, parallel, body.include_reasoning
@@ -125,6 +155,7 @@ class OpenAIRouter:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_model(body.model)
+        self.fill_in(body)
         prompt = body.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
@@ -156,8 +187,11 @@ class OpenAIRouter:
         max_model_len, vocab_size = self.backend.max_model_len(), self.tokenizer.vocab_size
         requests, choices = [], []
         for ids, echo in prompts:
+            max_tokens = body.max_tokens_for(len(ids), max_model_len)
+            if body.requested_max_tokens() is None and self.api.defaults.max_tokens is not None:
+                max_tokens = min(max_tokens, self.api.defaults.max_tokens)  # generation_config.json's
             try:
-                params = body.sampling_params(body.max_tokens_for(len(ids), max_model_len), vocab_size)
+                params = body.sampling_params(max_tokens, vocab_size)
             except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]"
                 field = str(e).split(" ", 1)[0]
                 raise OpenAIError(str(e), param=field if field in type(body).model_fields else None) from e

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -14,11 +15,19 @@ from fastapi import FastAPI
 
 from pdserve.model_config import ModelConfig
 from pdserve.registry import InstanceRegistry
-from pdserve.tokenizer import load_tokenizer
+from pdserve.tokenizer import load_tokenizer, read_chat_template
 from router.admission import AdmissionConfig
+from router.api_flags import (
+    ApiOptions,
+    access_log,
+    add_api_arguments,
+    add_model_argument,
+    api_options_from_args,
+    model_from_args,
+    served_names,
+)
 from router.app import create_app
 from router.chat_output import ChatParsingConfig
-from router.chat_output import add_arguments as add_chat_parsing_arguments
 from router.disagg import BurstConfig, DisaggBackend
 from router.drain import Drain, DrainingServer
 from router.gate import ApiKey, read_api_key_file
@@ -33,7 +42,9 @@ class RouterConfig:
 
     model: str  # folder with the tokenizer, chat template and config.json
     redis_url: str
-    served_model_name: str | None = None  # default: `model`
+    served_model_names: tuple[
+        str, ...
+    ] = ()  # accepted in `model`; answers carry the first (default: `model`)
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int | None = None  # default: the model's, capped at 32,768
@@ -41,11 +52,14 @@ class RouterConfig:
     burst: BurstConfig = field(default_factory=BurstConfig)
     shutdown_timeout_s: float = 30.0  # on SIGTERM: how long open requests may go on (router.drain)
     chat_parsing: ChatParsingConfig = field(default_factory=ChatParsingConfig)  # tool calls, reasoning
+    api: ApiOptions = field(default_factory=ApiOptions)  # request defaults, --max-logprobs
+    chat_template: str | None = None  # a template's source, replacing the model's
+    access_log: bool = True  # uvicorn's line per request
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model folder (tokenizer, chat template, config)")
-    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    add_model_argument(parser)
+    parser.add_argument("--model", default=None, help="model folder (tokenizer, chat template, config)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--redis-url", required=True)
@@ -88,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, let open requests go on this long, then end them with an error (s)",
     )
-    add_chat_parsing_arguments(parser)
+    add_api_arguments(parser)
 
 
 @dataclass(slots=True)
@@ -110,10 +124,11 @@ def build_router(config: RouterConfig) -> Router:
     instances = InstanceSet(registry, metrics)
     metrics.registry.register(RoleLoadCollector(instances))
     backend = DisaggBackend(instances, metrics, max_model_len, config.burst)
-    name = config.served_model_name or config.model
+    names = config.served_model_names or (config.model,)
+    api = config.api if config.api.model_root else dataclasses.replace(config.api, model_root=config.model)
     drain = Drain()
-    tokenizer = load_tokenizer(config.model)
-    app = create_app(backend, tokenizer, name, metrics, config.admission, drain, config.chat_parsing)
+    tokenizer = load_tokenizer(config.model, config.chat_template)
+    app = create_app(backend, tokenizer, names, metrics, config.admission, drain, config.chat_parsing, api)
     return Router(app, instances, registry, drain)
 
 
@@ -121,8 +136,16 @@ async def serve(config: RouterConfig) -> None:
     router = build_router(config)
     await router.instances.start()
     uvicorn_config = uvicorn.Config(
-        router.app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5
+        router.app,
+        host=config.host,
+        port=config.port,
+        log_config=None,  # our logging's format (run() sets it up)
+        log_level=None,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=5,
     )
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.access").setLevel(logging.INFO if config.access_log else logging.WARNING)
     server = DrainingServer(uvicorn_config, router.drain, config.shutdown_timeout_s)
     try:
         await server.serve()
@@ -146,10 +169,13 @@ def run(args: argparse.Namespace) -> int:
     bad flags, an unreadable key or secret file) stops with one line and status 1."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        model = model_from_args(args)
+        if model is None:
+            raise ValueError("the model folder is needed: pdserve router MODEL (or --model MODEL)")
         config = RouterConfig(
-            model=args.model,
+            model=model,
             redis_url=args.redis_url,
-            served_model_name=args.served_model_name,
+            served_model_names=served_names(args, model),
             host=args.host,
             port=args.port,
             max_model_len=args.max_model_len,
@@ -162,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
             burst=BurstConfig(window_s=args.burst_window_ms / 1000, max_tokens=args.burst_max_tokens),
             shutdown_timeout_s=args.shutdown_timeout,
             chat_parsing=ChatParsingConfig.from_args(args),
+            api=api_options_from_args(args, model),
+            chat_template=None if args.chat_template is None else read_chat_template(args.chat_template),
+            access_log=access_log(args),
         )
         asyncio.run(serve(config))
     except (ValueError, OSError) as e:
