@@ -6,8 +6,9 @@ Request lifecycle (one prompt of a burst):
      queued on the engine thread, or refused alone (a bad prompt, a full queue);
   2. packed prefill with the other prompts of the burst (chunked under the token budget);
   3. first token sampled -> its `PrefillResult` is streamed at once, whatever the rest of the
-     burst is doing (a burst never waits on itself): either the request ended there (eos, a
-     stop, max_tokens=1) and its memory is freed, or it is HELD under a new `Lease`;
+     burst is doing (a burst never waits on itself), with the prompt's logprobs when asked for:
+     either the request ended there (eos, a stop, max_tokens 1, or 0: the prompt scored and no
+     token) and its memory is freed, or it is HELD under a new `Lease`;
   4. held until the decode instance, after its NIXL READ, calls `release` with the lease
      (answer: was the lease still held, i.e. was the memory it read the request's own?), or the
      router releases it, or the lease expires after `handoff_timeout_s`.
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import Abort, GenerateItem, Lease, LeaseRelease, PrefillBurst, PrefillResult
+from pdserve.prefix_sharing import PrefixSharing
 from pdserve.sampling.params import SamplingParams
 from pdserve.serving import EngineHost, ServiceRole
 
@@ -36,6 +38,7 @@ class PrefillService(ServiceRole):
         super().__init__(host)
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its burst's result queue
         self._seqs: dict[str, Sequence] = {}  # engine thread: queued or prefilling here
+        self.sharing = PrefixSharing.of(host)  # pulls of cached prefixes that peers hold
 
     # ---- RPC handlers
     async def prefill(self, msg: dict) -> AsyncIterator[dict]:
@@ -101,6 +104,8 @@ class PrefillService(ServiceRole):
             seq.handoff = True
             self._seqs[rid] = seq
             self.engine.enqueue(seq)
+            if r.prefix_source is not None:  # a peer caches more of it: pull that if it pays
+                self.sharing.start(seq, r.prefix_source)
         return refused
 
     def _abort(self, request_ids: list[str], tell_stream: bool) -> int:
