@@ -234,11 +234,6 @@ def test_router_starts_fast_and_serves_without_torch(
     assert "blocked" not in log.read_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router/handlers.py (H3's) still asks max_chars_per_token in OpenAIRouter.__init__; "
-    "it should await max_chars_per_token_async(self.tokenizer) in encode(), for long texts only",
-)
 def test_building_the_router_leaves_the_vocabulary_pass_for_later(tiny_model_dir: Path) -> None:
     """The prompt-length bound reads the whole vocabulary (0.2-0.3 s): not at start-up."""
     from router.server import RouterConfig, build_router
