@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, settings
 
 from pdserve.request_defaults import RequestDefaults, choice_seed
 from pdserve.tokenizer import Tokenizer, load_tokenizer
@@ -20,6 +22,7 @@ from router.api_flags import ApiOptions
 from router.app import create_app, pdserve_version
 from router.backend import GenerateRequest, TokenEvent
 from tests.live_server import serving
+from tests.schema_checks import check_answer
 
 NAMES = ("qwen-tiny", "./models/tiny", "alias")
 CHAT = [{"role": "user", "content": "Weather in Oslo?"}]
@@ -244,3 +247,29 @@ def test_bad_defaults_and_options_stop_the_start(tmp_path: Path) -> None:
         RequestDefaults.load(tmp_path)
     with pytest.raises(ValueError, match="max-logprobs"):
         ApiOptions(max_logprobs=21)
+
+
+# ---- schemathesis over the two routes' own OpenAPI document: answers as declared, never a 5xx
+@pytest.fixture(scope="module")
+def tokenize_schema(tokenizer: Tokenizer) -> schemathesis.BaseSchema:
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(RecordingBackend(), tokenizer, NAMES))
+    schema.config.seed = 8
+    return schema
+
+
+tokenize_routes = schemathesis.pytest.from_fixture("tokenize_schema").include(
+    path_regex="^/(tokenize|detokenize)$"
+)
+
+
+@tokenize_routes.parametrize()
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
+def test_tokenize_routes_answer_as_declared(case: schemathesis.Case) -> None:
+    check_answer(case, case.call(timeout=30))
