@@ -5,10 +5,13 @@ Request lifecycle (chat and completions alike):
   0. gate     router.gate, before the body is read: 413 body too large (chunked too), 401 API key,
               429 the key's concurrency limit
   1. parse    FastAPI + the pydantic models of router.protocol; bad JSON, types, ranges -> 400
-  2. check    model name (404 model_not_found), tools and tool_choice (router.tools), prompt
+  2. check    model name (any served name, else 404 model_not_found), logprobs within
+              --max-logprobs, the unset sampling fields filled in (generation_config.json and
+              --seed: pdserve.request_defaults), tools and tool_choice (router.tools), prompt
               -> token ids (chat template with the tools, router.chat_template; a text too
               long to fit max_model_len whatever its tokens is a 400 before it is tokenized;
-              encode), length against max_model_len and max_tokens, SamplingParams (ValueError
+              encode), length against max_model_len and max_tokens (a default capped by
+              generation_config.json's max_new_tokens), SamplingParams (ValueError
               -> 400); a chat request's output parsing (router.chat_output: reasoning, tool
               calls), one parser per choice
   3. admit    router.admission: the request's generations join the queue of those waiting for a
