@@ -1,10 +1,13 @@
-"""The prefill instances a decode instance reads from.
+"""The instances this one reads from: prefill instances for a decode instance (leases), any
+instance for a prefix pull (`pdserve.prefix_sharing`).
 
 A lease names its holder by transfer-agent name (instance id + incarnation). The address to
 reach it comes from the registry, never from the caller, so a decode instance dials no address
 outside the registry; the handshake (protocol version + compatibility hash) runs once per agent.
 A restarted instance has a new incarnation: its older agent is dropped when the new one is met,
 and any agent whose transfer failed is forgotten, so the next request handshakes again.
+The registry's view is refreshed in the background (`KNOWN_REFRESH_S`) and its last answer kept:
+with Redis away, a peer met for the first time is still found (serving goes on without Redis).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pdserve.serving import EngineHost
 
 log = logging.getLogger(__name__)
 ENDPOINT_TIMEOUT_S = 10.0
+KNOWN_REFRESH_S = 1.0
+SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}
 
 
 def instance_of(agent: str) -> str:
@@ -25,11 +30,21 @@ def instance_of(agent: str) -> str:
 
 
 class PeerDirectory:
-    def __init__(self, host: EngineHost) -> None:
+    """Peers of the registry roles `roles` (looked up in that order: a two-role engine registers
+    as both, under one agent)."""
+
+    def __init__(self, host: EngineHost, roles: tuple[str, ...] = ("prefill",)) -> None:
         self.host = host
-        self._addresses: dict[str, str] = {}  # connected agent -> its gRPC address
-        self._clients: dict[str, RpcClient] = {}  # address -> client
+        self.roles = roles
+        self._addresses: dict[str, tuple[str, str]] = {}  # connected agent -> (address, service)
+        self._clients: dict[tuple[str, str], RpcClient] = {}
         self._lock = asyncio.Lock()
+        self._known: dict[str, tuple[str, str]] = {}  # agent -> (address, service), last registry view
+        self._refresher: asyncio.Task | None = None
+        try:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+        except RuntimeError:  # built outside an event loop (tests): looked up on demand only
+            pass
 
     async def connect(self, agent: str) -> str:
         """The peer name to pull from `agent` with, handshaking on first contact."""
@@ -37,7 +52,7 @@ class PeerDirectory:
             if agent in self._addresses:
                 return agent
             address = await self._lookup(agent)
-            endpoint = await self._client(address).unary("endpoint", {}, timeout=ENDPOINT_TIMEOUT_S)
+            endpoint = await self._client(*address).unary("endpoint", {}, timeout=ENDPOINT_TIMEOUT_S)
             if endpoint.get("agent") != agent:
                 raise LookupError(f"{address} no longer runs agent {agent!r}")
             for old in [a for a in self._addresses if instance_of(a) == instance_of(agent)]:
@@ -51,8 +66,8 @@ class PeerDirectory:
         """The gRPC client of a connected agent's instance."""
         address = self._addresses.get(agent)
         if address is None:
-            raise LookupError(f"prefill agent {agent!r} is not connected")
-        return self._client(address)
+            raise LookupError(f"agent {agent!r} is not connected")
+        return self._client(*address)
 
     def forget(self, agent: str) -> None:
         """Drop a peer (on the engine thread): after a failure, or when it was restarted."""
@@ -63,16 +78,36 @@ class PeerDirectory:
         except Exception as e:  # the connection may be gone already
             log.warning("removing peer %s: %r", agent, e)
 
-    async def _lookup(self, agent: str) -> str:
-        registry = self.host.registry
-        if registry is None:
-            raise LookupError("no registry configured: prefill instances cannot be found")
-        for info in await registry.instances("prefill"):
-            if info.extra.get("agent") == agent:
-                return info.address
-        raise LookupError(f"prefill agent {agent!r} is not in the registry")
+    async def _lookup(self, agent: str) -> tuple[str, str]:
+        if self.host.registry is None:
+            raise LookupError("no registry configured: peer instances cannot be found")
+        try:
+            await self._refresh()
+        except Exception as e:  # Redis away: the last view it gave
+            log.warning("registry unreachable (%s); looking %s up in its last view", e, agent)
+        if agent in self._known:
+            return self._known[agent]
+        raise LookupError(f"agent {agent!r} is not in the registry ({'/'.join(self.roles)})")
 
-    def _client(self, address: str) -> RpcClient:
-        if address not in self._clients:
-            self._clients[address] = RpcClient(address, "pdserve.Prefill")
-        return self._clients[address]
+    async def _refresh(self) -> None:
+        known: dict[str, tuple[str, str]] = {}
+        for role in self.roles:
+            for info in await self.host.registry.instances(role):
+                if info.extra.get("agent"):
+                    known.setdefault(info.extra["agent"], (info.address, SERVICES[role]))
+        self._known = known
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(KNOWN_REFRESH_S)
+            if self.host.registry is None:
+                return
+            try:
+                await self._refresh()
+            except Exception:  # Redis away: keep the last view (the heartbeat logs the outage)
+                pass
+
+    def _client(self, address: str, service: str) -> RpcClient:
+        if (address, service) not in self._clients:
+            self._clients[address, service] = RpcClient(address, service)
+        return self._clients[address, service]

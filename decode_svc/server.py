@@ -21,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def decode_server(service: DecodeService) -> RpcServer:
     server = RpcServer("pdserve.Decode")
     server.stream("decode", service.decode)
+    # prefix sharing: a prefill instance handshakes and pulls a cached conversation from here
+    server.unary("endpoint", service.sharing.endpoint)
+    server.unary("pin_prefix", service.sharing.pin_prefix)
+    server.unary("unpin_prefix", service.sharing.unpin_prefix)
+    server.unary("clear_prefix_cache", service.sharing.clear_prefix_cache)
     return server
 
 

@@ -15,7 +15,9 @@ Request lifecycle:
   4. running: the first token, sampled by prefill, is fed first; each decode step streams a
      `DecodeEvent`; finished or the stream cancelled -> pages and slot freed.
 A failed READ drops the peer (the next request handshakes again: a restarted prefill instance is
-a new agent name) and ends the stream with an error.
+a new agent name) and ends the stream with an error. A finished request leaves its state and
+pages to the prefix cache (an entry of prompt + output, published in Redis), which a prefill
+instance may pull for the conversation's next turn (`pdserve.prefix_sharing`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvtransfer.payload import pool_units
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import DecodeEvent, DecodeStart, LeaseRelease
+from pdserve.prefix_sharing import PrefixSharing
 from pdserve.rpc import RpcError
 from pdserve.sampling.params import SamplingParams
 from pdserve.serving import EngineHost, ServiceRole
@@ -57,6 +60,7 @@ class DecodeService(ServiceRole):
         self.incoming: dict[str, Incoming] = {}  # engine thread; insertion order = arrival order
         self.streams: dict[str, asyncio.Queue] = {}
         self.peers = PeerDirectory(host)
+        self.sharing = PrefixSharing.of(host)  # what this decode instance's cache gives to peers
 
     def load(self) -> dict:
         return {"incoming": len(self.incoming)}

@@ -101,11 +101,14 @@ class Lease:
 
 @dataclass(slots=True)
 class GenerateItem:
-    """One request of a burst: its tokens and its sampling parameters (SamplingParams fields)."""
+    """One request of a burst: its tokens and its sampling parameters (SamplingParams fields).
+    `prefix_source`: another instance caching a longer prefix of the prompt than the prefill
+    instance the router chose, `{"agent", "key", "num_tokens"}` (pdserve.prefix_sharing)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: dict
+    prefix_source: dict | None = None
 
     @classmethod
     def from_wire(cls, msg: Any) -> GenerateItem:
@@ -114,11 +117,30 @@ class GenerateItem:
         if not rid:
             raise ValueError("request_id must not be empty")
         return cls(
-            rid, _ints("prompt_token_ids", m.get("prompt_token_ids")), _check("params", m.get("params"), dict)
+            rid,
+            _ints("prompt_token_ids", m.get("prompt_token_ids")),
+            _check("params", m.get("params"), dict),
+            _prefix_source(m.get("prefix_source")),
         )
 
     def to_wire(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _prefix_source(value: Any) -> dict | None:
+    if value is None:
+        return None
+    _check("prefix_source", value, dict)
+    unknown = sorted(str(k) for k in value if k not in ("agent", "key", "num_tokens"))
+    if unknown:
+        raise ValueError(f"prefix_source: unknown fields {unknown}")
+    _check("prefix_source.agent", value.get("agent"), str)
+    key = _check("prefix_source.key", value.get("key"), str)
+    if not 0 < len(key) <= 128 or key.strip("0123456789abcdef"):
+        raise ValueError("prefix_source.key must be a hex digest")
+    if _check("prefix_source.num_tokens", value.get("num_tokens"), int) <= 0:
+        raise ValueError("prefix_source.num_tokens must be positive")
+    return value
 
 
 @dataclass(slots=True)

@@ -24,6 +24,10 @@ def prefill_server(service: PrefillService) -> RpcServer:
     server.unary("endpoint", service.endpoint)
     server.unary("release", service.release)
     server.unary("abort", service.abort)
+    # prefix sharing (pdserve.prefix_sharing): a peer pulls a cached prefix; an operator clears
+    server.unary("pin_prefix", service.sharing.pin_prefix)
+    server.unary("unpin_prefix", service.sharing.unpin_prefix)
+    server.unary("clear_prefix_cache", service.sharing.clear_prefix_cache)
     return server
 
 

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import Abort, GenerateItem, Lease, LeaseRelease, PrefillBurst, PrefillResult
+from pdserve.prefix_sharing import PrefixSharing
 from pdserve.sampling.params import SamplingParams
 from pdserve.serving import EngineHost, ServiceRole
 
@@ -37,6 +38,7 @@ class PrefillService(ServiceRole):
         super().__init__(host)
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its burst's result queue
         self._seqs: dict[str, Sequence] = {}  # engine thread: queued or prefilling here
+        self.sharing = PrefixSharing.of(host)  # pulls of cached prefixes that peers hold
 
     # ---- RPC handlers
     async def prefill(self, msg: dict) -> AsyncIterator[dict]:
@@ -102,6 +104,8 @@ class PrefillService(ServiceRole):
             seq.handoff = True
             self._seqs[rid] = seq
             self.engine.enqueue(seq)
+            if r.prefix_source is not None:  # a peer caches more of it: pull that if it pays
+                self.sharing.start(seq, r.prefix_source)
         return refused
 
     def _abort(self, request_ids: list[str], tell_stream: bool) -> int:

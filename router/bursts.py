@@ -1,11 +1,14 @@
 """Bursts of requests to prefill instances: the first token of each request.
 
 A request joins the burst of the prefill instance that caches its prompt's longest prefix
-(Redis prefix keys), or the burst for any instance; a burst goes out as one `prefill` stream
-when it is full or `window_s` after its first request. Each request's `PrefillResult` settles
-its future as soon as it arrives. A prefill instance that fails before a request's first token
-has that request sent once more, to another instance. A request whose client leaves is taken
-out of a burst not yet sent, or aborted on the instance that has it.
+(Redis prefix keys, `router.prefix_route`), or the burst for any instance; when a decode
+instance caches a longer prefix still (it generated the conversation's previous turn), the
+request names it (`GenerateItem.prefix_source`) and the prefill instance may pull it. A burst
+goes out as one `prefill` stream when it is full or `window_s` after its first request. Each
+request's `PrefillResult` settles its future as soon as it arrives. A prefill instance that
+fails before a request's first token has that request sent once more, to another instance. A
+request whose client leaves is taken out of a burst not yet sent, or aborted on the instance
+that has it.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ from dataclasses import asdict, dataclass, field
 import msgpack
 
 from pdserve.messages import Abort, GenerateItem, LeaseRelease, PrefillBurst, PrefillResult
-from pdserve.prefix_keys import prefix_block_keys
 from pdserve.registry import InstanceInfo
 from pdserve.rpc import RpcError
 from router.backend import GenerateRequest
 from router.disagg_metrics import DisaggMetrics
 from router.errors import BackendError
 from router.instances import InstanceSet, NoInstanceError
+from router.prefix_route import prefix_holders
 
 log = logging.getLogger("pdserve.router")
 # a prefill instance failing with these is set aside; other codes are the request's own fault
@@ -94,7 +97,7 @@ class PrefillBursts:
         if exclude:  # a retry goes alone, around the instance that failed it
             self.background.spawn(self._send_burst([pending], None, frozenset(exclude)))
         else:
-            target = await self._prefix_owner(req)
+            target, item.prefix_source = await self._prefix_choice(req)
             self._join(pending, target)
         try:
             return await pending.future
@@ -125,25 +128,39 @@ class PrefillBursts:
         elif pending.sent_to is not None:
             self.background.spawn(self._abort(pending.sent_to, pending.req.request_id))
 
-    async def _prefix_owner(self, req: GenerateRequest) -> str | None:
-        """The live prefill instance holding the longest cached prefix of the prompt."""
-        live = self.instances.live["prefill"]
-        info = next((i.extra for i in live.values() if i.extra.get("prefix_block_size")), None)
-        if info is None:
-            return None
-        keys = prefix_block_keys(req.prompt_token_ids[:-1], info["prefix_block_size"], info["prefix_salt"])
-        if not keys:
-            return None
+    async def _prefix_choice(self, req: GenerateRequest) -> tuple[str | None, dict | None]:
+        """The live prefill instance holding the longest cached prefix of the prompt (None: route
+        by load), and the decode instance holding a longer one, as a `prefix_source` (or None)."""
+        prefill, decode = self.instances.live["prefill"], self.instances.live["decode"]
+        info = next(
+            (i.extra for i in [*prefill.values(), *decode.values()] if i.extra.get("prefix_block_size")), None
+        )
+        if info is None or len(req.prompt_token_ids) < 2:
+            return None, None
+        live = set(prefill) | set(decode)
         try:
-            owners = await self.instances.registry.prefix_owners([k.hex() for k in keys])
+            holders = await prefix_holders(
+                self.instances.registry,
+                req.prompt_token_ids,
+                info["prefix_block_size"],
+                info["prefix_salt"],
+                live,
+            )
         except Exception as e:  # Redis briefly away: route by load alone
             log.warning("prefix lookup failed: %s", e)
-            return None
-        for key in reversed(keys):
-            owner = owners.get(key.hex())
-            if owner in live:
-                return owner
-        return None
+            return None, None
+        best_prefill = next((h for h in holders if h.instance_id in prefill), None)
+        target = best_prefill.instance_id if best_prefill else None
+        best = holders[0] if holders else None
+        if best is None or best.instance_id not in decode:
+            return target, None
+        if best_prefill is not None and best.num_tokens <= best_prefill.num_tokens:
+            return target, None
+        agent = decode[best.instance_id].extra.get("agent")
+        if not agent:
+            return target, None
+        self.metrics.prefix_pull_hints.inc()
+        return target, {"agent": agent, "key": best.key, "num_tokens": best.num_tokens}
 
     def _flush(self, target: str | None) -> None:
         burst = self._bursts.pop(target, None)

@@ -22,6 +22,10 @@ class DisaggMetrics:
         self.prefix_routed = metrics.counter(
             "prefix_routed_requests", "Requests sent to the prefill instance caching their prefix"
         )
+        self.prefix_pull_hints = metrics.counter(
+            "prefix_pull_hints",
+            "Requests sent with a decode instance named as the holder of a longer cached prefix",
+        )
         self.decoded = metrics.counter(
             "decode_requests", "Requests sent to each decode instance", ["instance"]
         )

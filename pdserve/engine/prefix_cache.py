@@ -98,6 +98,7 @@ class PrefixCache:
         self._blocks: Counter[bytes] = Counter()  # block key -> entries holding its pages
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
         self._seq_keys: weakref.WeakKeyDictionary[Sequence, _SeqKeys] = weakref.WeakKeyDictionary()
+        self.refused: weakref.WeakSet[Sequence] = weakref.WeakSet()  # a pull did not pay for them
 
     # ---- keys
     def block_keys(self, token_ids: list[int]) -> list[bytes]:
@@ -158,7 +159,9 @@ class PrefixCache:
                         return self._found(entry, shared)
             if i > 0 and parents[i] in self.entries:
                 return self._found(self.entries[parents[i]], shared)
-        if shared:
+        if seq in self.refused:
+            reason = "too_short"
+        elif shared:
             reason = "diverged"
         elif any(k in self._evicted for k in keys):
             reason = "evicted"
@@ -262,6 +265,10 @@ class PrefixCache:
             return self.entries[key]
         self._insert(entry)
         return entry
+
+    def reserve_checkpoint(self) -> int | None:
+        """A checkpoint for a transfer to fill (evicting an entry if need be); None: no room."""
+        return self.checkpoints.reserve() if self._room_for_checkpoint("peer") else None
 
     def _touch(self, key: bytes) -> bool:
         if key in self.entries:

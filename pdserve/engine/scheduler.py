@@ -49,6 +49,24 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class PrefillRate:
+    """Prompt tokens computed per second, measured over back-to-back steps (a step's time runs
+    from one `schedule` to the next), an exponential average; `prior` until measured."""
+
+    tokens_per_s: float = 2_000.0
+    _started: float | None = None
+    _tokens: int = 0
+
+    def step_started(self, now: float) -> None:
+        if self._started is not None and self._tokens >= 16 and 0 < now - self._started < 1.0:
+            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * self._tokens / (now - self._started)
+        self._started, self._tokens = now, 0
+
+    def scheduled(self, tokens: int) -> None:
+        self._tokens = tokens
+
+
+@dataclass(slots=True)
 class HeldLease:
     """A HELD sequence's memory, leased to whoever READs it: valid until released or expired."""
 
@@ -80,6 +98,7 @@ class Scheduler:
         # waiting sequences whose cached prefix is being pulled from a peer: not admitted yet
         self.fetching: dict[str, Sequence] = {}
         self._plans: dict[Sequence, list[tuple[int, str]]] = {}  # checkpoints still to save
+        self.prefill_rate = PrefillRate()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,6 +110,12 @@ class Scheduler:
         return len(self.running) + len(self.receiving)
 
     def schedule(self) -> list[ScheduledSeq]:
+        self.prefill_rate.step_started(time.perf_counter())
+        batch = self._schedule()
+        self.prefill_rate.scheduled(sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1))
+        return batch
+
+    def _schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         # decoding sequences first (a token each), then chunks of prompts still prefilling: a long
@@ -157,6 +182,10 @@ class Scheduler:
         plan = [] if self.prefix_cache is None else plan_checkpoints(self.prefix_cache, seq, start, lookup)
         self._plans[seq] = plan
         seq.checkpoint_at = plan[0][0] if plan else None
+
+    def make_room(self, pages: int) -> bool:
+        """True once `pages` pages and a state slot are free (evicting cache entries if need be)."""
+        return self._make_room(pages) and self._free_slot()
 
     def _free_slot(self, keep: CacheEntry | None = None) -> bool:
         """True once a state slot is free, evicting a checkpoint entry (but `keep`) if need be."""

@@ -1,0 +1,165 @@
+"""Prefix cache II on a stack of 2 prefill + 2 decode instances (issue 9, acceptance 2, 4, 6, 7):
+a 6-turn conversation reuses the whole previous turn (prompt and answer: the answer's state is
+on the decode instance that generated it, and the prefill instance pulls it through NIXL);
+a chat template that drops earlier reasoning still reuses all but the last tokens of the
+previous prompt; the answers equal the offline engine's; Redis going away costs the cache,
+never a request; after a cache clear every pool is back at its idle figures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.registry import InstanceRegistry
+from pdserve.rpc import RpcClient
+from tests.helpers import random_prompts
+from tests.stack import Stack
+from tests.test_prefix_routing import warm_cache_of
+
+TURNS = 6
+# answers long enough that pulling their state beats recomputing it on a CPU (the cost model
+# measures both: a 12-token answer is cheaper to recompute here, and is)
+ANSWER_TOKENS = 32
+GREEDY = {"max_tokens": ANSWER_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+SHORT = {**GREEDY, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    flags = {"decode": ["--enable-prefix-caching"]}
+    s = Stack(tiny_model_dir, tmp_path_factory.mktemp("conversation"), 2, 2, extra_flags=flags).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir) -> LLM:
+    return LLM(
+        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512, enable_prefix_caching=True
+    )
+
+
+def client_of(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def metric(stack: Stack, name: str) -> float:
+    lines = httpx.get(f"{stack.url}/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+async def instance_loads(stack: Stack) -> dict[str, dict]:
+    async with InstanceRegistry(stack.redis.url) as registry:
+        return {
+            i.instance_id: i.load for role in ("prefill", "decode") for i in await registry.instances(role)
+        }
+
+
+def test_conversation_reuses_every_previous_answer(stack: Stack, offline: LLM) -> None:
+    """Completions with token ids: each turn's prompt is the previous prompt, its answer and a
+    new message (a template that keeps earlier answers)."""
+    system, *messages = random_prompts((120, *[15] * TURNS), seed=41)
+    client = client_of(stack)
+    prompt, previous = system + messages[0], None
+    pulls_before = metric(stack, "pdserve:prefix_pull_hints_total")
+    for turn in range(TURNS):
+        reply = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        expected = offline.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+        )
+        assert reply.choices[0].text == expected[0].text, f"turn {turn + 1} differs from offline"
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        if previous is not None:
+            assert cached >= 0.95 * previous, f"turn {turn + 1}: {cached} cached of {previous}"
+        previous = len(prompt) + ANSWER_TOKENS
+        if turn + 1 < TURNS:
+            prompt = prompt + expected[0].token_ids + messages[turn + 1]
+    assert metric(stack, "pdserve:prefix_pull_hints_total") - pulls_before >= TURNS - 1
+    loads = asyncio.run(instance_loads(stack))
+    peer = sum(
+        load["prefix_cache"]["hit_tokens"]["peer"] for load in loads.values() if "prefix_cache" in load
+    )
+    assert peer > 0, "the answers' states were pulled from the decode instances"
+
+
+def test_chat_that_drops_reasoning_reuses_the_previous_prompt(stack: Stack) -> None:
+    """The tiny model's template (Qwen3.6's shape) opens `<think>` in the generation prompt and
+    renders earlier answers without it: each turn reuses >= 98% of the previous prompt."""
+    client = client_of(stack)
+    facts = " ".join(f"Fact {i}: the number {i} follows {i - 1}." for i in range(1, 13))
+    messages = [{"role": "system", "content": f"You are terse. {facts}"}]
+    previous = None
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": f"Question {turn}: what comes after {turn}?"})
+        reply = client.chat.completions.create(model="tiny", messages=messages, **SHORT)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        if previous is not None:
+            assert cached >= 0.98 * previous, f"turn {turn + 1}: {cached} cached of {previous}"
+        previous = reply.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or "x"})
+
+
+def test_redis_outage_costs_the_cache_not_the_requests(stack: Stack) -> None:
+    """With Redis away requests are routed by load (to prefill-0, the tie's winner); once it is
+    back, a prompt whose prefix prefill-1 caches goes there again."""
+    client = client_of(stack)
+    prompt = random_prompts((150,), seed=42)[0]
+    asyncio.run(warm_cache_of(stack, "prefill-1", prompt))
+    time.sleep(1.5)  # every instance has refreshed its view of the registry
+    stack.redis._fixed_port = stack.redis.port
+    stack.redis.stop()
+    try:
+        other = random_prompts((100,), seed=43)[0]
+        assert client.completions.create(model="tiny", prompt=other, **SHORT).choices[0].text
+    finally:
+        stack.redis.start()
+    routed = metric(stack, "pdserve:prefix_routed_requests_total")
+    deadline = time.monotonic() + 20
+    while True:  # instances re-register and re-publish their entries: cache-aware routing is back
+        reply = client.completions.create(model="tiny", prompt=prompt + [7, 8, 9], **SHORT)
+        back = metric(stack, "pdserve:prefix_routed_requests_total") > routed
+        if back and reply.usage.prompt_tokens_details.cached_tokens >= 128:
+            break
+        assert time.monotonic() < deadline, "cache-aware routing did not come back with Redis"
+        time.sleep(0.5)
+    while len(asyncio.run(instance_loads(stack))) < 4:  # every instance is registered again
+        assert time.monotonic() < deadline + 10, "instances did not re-register"
+        time.sleep(0.3)
+
+
+def test_pools_idle_after_a_cache_clear(stack: Stack) -> None:
+    async def clear_all() -> dict[str, int]:
+        cleared = {}
+        async with InstanceRegistry(stack.redis.url) as registry:
+            for role, service in (("prefill", "pdserve.Prefill"), ("decode", "pdserve.Decode")):
+                for info in await registry.instances(role):
+                    client = RpcClient(info.address, service)
+                    cleared[info.instance_id] = (await client.unary("clear_prefix_cache", {}, timeout=10))[
+                        "cleared"
+                    ]
+                    await client.close()
+        return cleared
+
+    cleared = asyncio.run(clear_all())
+    assert len(cleared) == 4 and sum(cleared.values()) > 0, cleared
+    deadline = time.monotonic() + 10
+    while True:
+        loads = asyncio.run(instance_loads(stack))
+        busy = {
+            name: load
+            for name, load in loads.items()
+            if load["free_kv_pages"] != load["kv_pages"]
+            or load["free_state_slots"] != load["state_slots"]
+            or load.get("prefix_checkpoints")
+            or load.get("prefix_pins")
+            or load.get("prefix_pulls")
+        }
+        if len(loads) == 4 and not busy:
+            return
+        assert time.monotonic() < deadline, f"pools not idle after a cache clear {cleared}: {busy}"
+        time.sleep(0.3)
