@@ -32,14 +32,15 @@ ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
 }
-# on/off flags: store_true -> EngineConfig field True
+# on/off flags (`--x` / `--no-x`; unset: the EngineConfig default) -> EngineConfig field
 ENGINE_SWITCHES: dict[str, str] = {
     "--enforce-eager": "enforce_eager",
     "--enable-prefix-caching": "enable_prefix_caching",
 }
 _HELP = {
     "--enforce-eager": "no CUDA graphs for decode",
-    "--enable-prefix-caching": "the hybrid prefix cache: shared KV pages + GDN state checkpoints",
+    "--enable-prefix-caching": "the hybrid prefix cache (on by default): shared KV pages + GDN state "
+    "checkpoints; --no-enable-prefix-caching turns it off",
     "--dtype": "model dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16",
     "--load-format": "auto (safetensors) or dummy (random weights, for benchmarks)",
     "--dummy-weight-seed": "seed of the random weights of --load-format dummy (default 0)",
@@ -68,7 +69,7 @@ def add_engine_arguments(
     for flag, (_name, kind) in ENGINE_FLAGS.items():
         group.add_argument(flag, dest=_dest(flag), type=kind, default=None, help=_HELP[flag])
     for flag in ENGINE_SWITCHES:
-        group.add_argument(flag, action="store_true", help=_HELP[flag])
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP[flag])
     group.add_argument("--host", default=host, help=f"address to listen on (default {host})")
     group.add_argument("--port", type=int, default=port, help=f"port to listen on (default {port})")
 
@@ -90,7 +91,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--model is required")
     kwargs = {name: getattr(args, _dest(flag)) for flag, (name, _kind) in ENGINE_FLAGS.items()}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    kwargs.update({name: True for name in ENGINE_SWITCHES.values() if getattr(args, name, False)})
+    switches = {name: getattr(args, name, None) for name in ENGINE_SWITCHES.values()}
+    kwargs.update({name: value for name, value in switches.items() if value is not None})
     return EngineConfig(model=args.model, device=resolve_device(args.device), **kwargs)
 
 
@@ -101,5 +103,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     for flag in ENGINE_FLAGS:
         if (value := getattr(args, _dest(flag))) is not None:
             argv += [flag, str(value)]
-    argv += [flag for flag, name in ENGINE_SWITCHES.items() if getattr(args, name, False)]
+    for flag, name in ENGINE_SWITCHES.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            argv.append(flag if value else "--no-" + flag.removeprefix("--"))
     return argv
