@@ -32,8 +32,8 @@ def record_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
     seen: dict[str, list[torch.Tensor]] = {}
     execute = engine.runner.execute
 
-    def recording(scheduled):
-        logits = execute(scheduled)
+    def recording(scheduled, patch=None):
+        logits = execute(scheduled, patch)
         sampling = [s.seq.request_id for s in scheduled if s.samples]
         for rid, row in zip(sampling, logits, strict=True):
             seen.setdefault(rid, []).append(row.clone())
@@ -75,7 +75,9 @@ def test_packed_prefill_and_decode_match_transformers(llm: LLM, hf_model) -> Non
         out = outputs[f"r{i}"]
         assert out.finished and len(out.token_ids) == greedy[i].max_tokens
         ref = hf_logits(hf_model, prompt + out.token_ids[:-1])[len(prompt) - 1 :]
-        ours = torch.stack(seen[f"r{i}"])
+        # running ahead, the step after a request's last token computed it once more: that
+        # row's token was dropped (pdserve.engine.run_ahead), so it is not compared
+        ours = torch.stack(seen[f"r{i}"][: len(out.token_ids)])
         assert ours.shape == ref.shape
         diff = (ours - ref).abs().max().item()
         assert diff <= 1e-4, f"prompt of {len(prompt)} tokens: max |logit diff| {diff}"

@@ -15,7 +15,7 @@ def first_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     """Logits of the first sampled token of each prompt (one packed prefill)."""
     seen = []
     execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda s: seen.append(execute(s)) or seen[-1]
+    llm.engine.runner.execute = lambda s, patch=None: seen.append(execute(s, patch)) or seen[-1]
     try:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     finally:

@@ -91,7 +91,7 @@ class EngineThread:
         while not self._stop.is_set():
             self._run_calls()
             busy = self._safe_tick()
-            if (self.engine.scheduler.running or self.engine.scheduler.waiting) and self._safe_step():
+            if self.engine.has_unfinished() and self._safe_step():
                 continue
             # nothing ran: idle, or waiting requests that cannot be admitted yet (memory held
             # for transfers) - poll again soon when the tick wants it, never spin

@@ -9,9 +9,11 @@ from pathlib import Path
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_cache import PrefixCache
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.run_ahead import InFlight, may_run_ahead
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.memory import GdnCheckpointPool
+from pdserve.pinned import HostCopy
 from pdserve.sampling.params import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplerOutput, SamplingState, make_generator, replay_draws
 from pdserve.sampling.stop import StopChecker
@@ -69,6 +71,8 @@ class LLMEngine:
         )
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.run_ahead = True  # pdserve.engine.run_ahead; False: finish each step before the next
+        self._ahead: InFlight | None = None
 
     # ---- requests in
     def make_sequence(
@@ -135,33 +139,62 @@ class LLMEngine:
         return self.scheduler.release_lease(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._ahead is not None
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
+        """One pass, and the outputs the host has seen since the last step. Running ahead
+        (pdserve.engine.run_ahead), the step in flight is finished while the GPU runs the
+        next one, so its outputs arrive one step later than without."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.reserve_tokens()
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
-        logits = self.runner.execute(scheduled)
+        launched = self._launch(scheduled, ahead) if scheduled else None
+        outputs = self.postprocess(ahead.seqs, ahead.sampled, pending=True, host=ahead.host) if ahead else []
+        if launched is not None:
+            if self.run_ahead and may_run_ahead(launched.seqs):
+                self._ahead = launched
+            else:
+                outputs += self.postprocess(launched.seqs, launched.sampled, host=launched.host)
+        return outputs
+
+    def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None) -> InFlight:
+        logits = self.runner.execute(scheduled, ahead.patch_for(scheduled) if ahead else None)
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.scheduler.reached_checkpoint(s.seq)
-        sampled = self.sampler.sample(logits, [seq.sampling for seq in sampling])
-        return self.postprocess(sampling, sampled)
+        return InFlight(sampling, self.sampler.sample(logits, [seq.sampling for seq in sampling]))
 
-    def postprocess(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
-        token_ids = sampled.token_ids.tolist()  # the one host synchronisation of a step
-        logprobs = _logprob_rows(sampled)  # one more, only when some request asked for logprobs
+    def postprocess(
+        self,
+        seqs: list[Sequence],
+        sampled: SamplerOutput,
+        pending: bool = False,
+        host: HostCopy | None = None,
+    ) -> list[RequestOutput]:
+        """Take a step's sampled tokens to the host (`host`: copies already under way) and apply
+        them; `pending`: each live sequence holds a PENDING token for it (a step that ran ahead)."""
+        s = sampled
+        rows = host.wait() if host is not None else (s.token_ids, s.logprobs, s.top_token_ids, s.top_logprobs)
+        tokens, chosen, top_ids, top_values = rows
+        token_ids = tokens.tolist()  # the one host synchronisation of a step
+        logprobs = None if chosen is None else (chosen.tolist(), top_ids.tolist(), top_values.tolist())
         outputs = []
         for i, (seq, token) in enumerate(zip(seqs, token_ids, strict=True)):
+            if seq.is_finished:  # aborted, or ended by the step before (this row ran ahead)
+                continue
             if seq.params.max_tokens == 0:  # the prompt scored (prompt logprobs), no output token
                 seq.finish_reason = "length"
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
                 outputs.append(self._output(seq, [], ""))
                 continue
-            seq.output_token_ids.append(token)
+            if pending:
+                seq.output_token_ids[-1] = token
+            else:
+                seq.output_token_ids.append(token)
             if logprobs is not None and seq.params.logprobs is not None:
                 chosen, top_ids, top_values = logprobs[0][i], logprobs[1][i], logprobs[2][i]
                 n = seq.params.logprobs
@@ -238,10 +271,3 @@ class _NoText:
 
 
 _NO_TEXT = _NoText()
-
-
-def _logprob_rows(sampled: SamplerOutput) -> tuple[list, list, list] | None:
-    """The chosen tokens' logprobs and the top-n ids and logprobs of every row, on the host."""
-    if sampled.logprobs is None:
-        return None
-    return sampled.logprobs.tolist(), sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist()

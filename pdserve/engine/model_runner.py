@@ -9,10 +9,12 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.prompt_logprobs import plan_prompt_rows, score_prompt_rows
+from pdserve.engine.run_ahead import TokenPatch, apply_patch
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.memory import GdnStatePool, KvPagePool
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.qwen3_5_moe import Qwen3MoeHybrid
+from pdserve.pinned import to_device
 from pdserve.weights import init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq], patch: TokenPatch | None = None) -> torch.Tensor:
         """Run one packed pass; returns fp32 logits [num sampling sequences, vocab]. Sequences
         asking for prompt logprobs get this pass's entries appended (pdserve.engine.prompt_logprobs)."""
         batch = ForwardBatch.build(
@@ -151,6 +153,7 @@ class ModelRunner:
             page_size=self.config.page_size,
             device=self.device,
         )
+        apply_patch(batch.input_ids, patch)  # tokens of the step in flight, read on the device
         prompt_rows = plan_prompt_rows(scheduled)
         if self.graphs is not None and not prompt_rows and self.graphs.fits(batch):
             return self.graphs.replay(batch)
@@ -158,5 +161,5 @@ class ModelRunner:
         if prompt_rows:
             score_prompt_rows(hidden, prompt_rows, self.model.compute_logits)
         rows = [i for i, s in enumerate(scheduled) if s.samples]
-        index = batch.logits_indices[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+        index = batch.logits_indices[to_device(rows, torch.int64, self.device)]
         return self.model.compute_logits(hidden[index])

@@ -50,6 +50,12 @@ class GatedAttention(nn.Module):
             batch.slot_mapping,
         )
         o = ops.paged_attention(
-            q, self.kv_layer, batch.cu_seqlens, batch.seq_lens, batch.block_tables, self.scale
+            q,
+            self.kv_layer,
+            batch.cu_seqlens,
+            batch.seq_lens,
+            batch.block_tables,
+            self.scale,
+            max_q_len=batch.max_query_len,
         )
         return F.linear(ops.output_gate(o, gate), self.o_proj)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.pinned import to_device
+
 
 @dataclass(slots=True)
 class ForwardBatch:
@@ -23,6 +25,7 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [N] int64: GDN state slot of each sequence
     logits_indices: torch.Tensor  # [N] int64: the token whose logits each sequence needs
     is_decode: bool  # every sequence has exactly one new token: the single-step ops apply
+    max_query_len: int = 1  # the most new tokens of one sequence (a host int: no device read)
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +61,7 @@ class ForwardBatch:
         tables = [t + [0] * (width - len(t)) for t in block_tables]
 
         def as_tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, device=device)
+            return to_device(x, dtype, device)  # never waits for the step in flight
 
         return ForwardBatch(
             input_ids=as_tensor(ids, torch.int64),
@@ -70,4 +73,5 @@ class ForwardBatch:
             state_slots=as_tensor(state_slots, torch.int64),
             logits_indices=as_tensor([c - 1 for c in cu[1:]], torch.int64),
             is_decode=all(len(t) == 1 for t in token_ids),
+            max_query_len=max(len(t) for t in token_ids),
         )

@@ -208,6 +208,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention of packed queries over paged K/V, with grouped KV heads.
 
@@ -218,6 +219,8 @@ def paged_attention(
     (entries past its last page are ignored but must be valid page indices).
     Query i of sequence n (q_len tokens) sits at position seq_lens[n] - q_len + i and attends to
     key positions 0..that position. T == N means decode (one query each) and takes a batched path.
+    `max_q_len`: the most queries of one sequence, when the caller knows it (the GPU kernel sizes
+    its grid by it; without it, it reads cu_seqlens_q on the host).
     Returns o: [T, H, D] in q's dtype (softmax in fp32).
     """
     shapes = _Shapes("paged_attention")
@@ -228,4 +231,5 @@ def paged_attention(
     shapes.fix("N+1", shapes.sizes["N"] + 1)
     shapes("cu_seqlens_q", cu_seqlens_q, "N+1", torch.int32)
     shapes("block_tables", block_tables, "N max_pages", torch.int32)
-    return _implementation(q).paged_attention(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale)
+    impl = _implementation(q)
+    return impl.paged_attention(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len)

@@ -188,11 +188,14 @@ def _paged_prefill(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] packed -> [T, H, D]; one host read (the longest query run) sizes the grid."""
+    """q [T, H, D] packed -> [T, H, D]; the longest query run sizes the grid (read on the host
+    when the caller does not give it)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m = 64 if q.element_size() <= 2 else 32
     out = torch.empty_like(q)
     keys, values = kv_layer[0], kv_layer[1]
@@ -214,10 +217,11 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (D a power of two >= 16); kv_layer [2, P, page_size, Hkv, D] -> o [T, H, D]."""
     if q.stride(2) != 1:
         q = q.contiguous()
     if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, sync-free
         return _paged_decode(q, kv_layer, seq_lens, block_tables, scale)
-    return _paged_prefill(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale)
+    return _paged_prefill(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len)

@@ -41,7 +41,9 @@ def gdn_chunk_prefill(
 
     fla handles Hv = group x Hk natively (value head h reads key head h // group, as here) and
     l2-normalises q/k inside. The N initial states are gathered from the pool (one copy of N x 2 MiB
-    at the real shape) and the final states scattered back; fla reads cu_seqlens on the host.
+    at the real shape) and the final states scattered back. fla reads cu_seqlens on the host to
+    index its chunks, caching the result by tensor identity: `_as_long` hands every layer of a
+    pass the same int64 tensor, so that read happens once a pass, not once a layer.
     """
     rule = _fla_chunk_rule()
     dtype = v.dtype
@@ -58,11 +60,22 @@ def gdn_chunk_prefill(
         initial_state=initial,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens.long(),
+        cu_seqlens=_as_long(cu_seqlens),
         chunk_size=chunk_size if chunk_size in _FLA_CHUNK_SIZES else 64,
     )
     recurrent_pool.index_copy_(0, slot_ids, final.to(recurrent_pool.dtype))
     return out[0]
+
+
+_long_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (a pass's int32 cu_seqlens, its int64 copy)
+
+
+def _as_long(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The int64 copy of a pass's cu_seqlens, made once for all the layers of the pass."""
+    global _long_of
+    if _long_of is None or _long_of[0] is not cu_seqlens:
+        _long_of = (cu_seqlens, cu_seqlens.long())
+    return _long_of[1]
 
 
 @triton.jit

@@ -241,6 +241,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,  # the GPU kernel's grid size; the reference needs none
 ) -> torch.Tensor:
     if q.shape[0] == seq_lens.shape[0]:  # one query token per sequence: decode, no host sync
         return _paged_decode(q, kv_layer, seq_lens, block_tables, scale)

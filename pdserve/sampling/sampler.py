@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pdserve.pinned import to_device
 from pdserve.sampling.constraints import apply_constraints
 from pdserve.sampling.filters import apply_min_p, apply_penalties, apply_top_k_top_p
 from pdserve.sampling.params import SamplingParams
@@ -88,7 +89,7 @@ class SamplingState:
     def prompt_ids_on(self, device: torch.device) -> Tensor:
         """The prompt as an int64 tensor on `device`, copied there once per request."""
         if self._prompt_ids is None or self._prompt_ids.device != device:
-            self._prompt_ids = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
+            self._prompt_ids = to_device(self.prompt_token_ids, torch.long, device)
         return self._prompt_ids
 
     def output_grammar(self) -> RequestGrammar | None:
@@ -114,11 +115,13 @@ def _token_histograms(
 
     The output lists grow every step, so they go over as one flat array of row * V + token
     (numpy reads the lists several times faster than torch.tensor reads nested ones); prompts
-    are copied to the device once per request and padded with the id V, an extra column."""
+    are copied to the device once per request and padded with the id V, an extra column. Rows
+    holding a PENDING token never have penalties (they would not have run ahead)."""
     outputs = [r.output_token_ids for r in requests]
     lengths = [len(o) for o in outputs]
     tokens = np.fromiter(itertools.chain.from_iterable(outputs), dtype=np.int64, count=sum(lengths))
     flat = np.repeat(np.arange(len(outputs), dtype=np.int64) * vocab_size, lengths) + tokens
+    flat = flat[tokens >= 0]  # a token still on the device (pdserve.engine.run_ahead) counts for no one
     counts = torch.zeros(len(requests) * vocab_size, device=device)
     flat_index = torch.from_numpy(flat).to(device)
     counts = counts.index_add_(0, flat_index, torch.ones_like(flat_index, dtype=counts.dtype))
@@ -141,7 +144,7 @@ def _blocked_tokens(
         return None
     if any(t >= vocab_size for _, t in pairs):
         raise ValueError(f"an eos or stop token id is outside the vocabulary of {vocab_size}")
-    return torch.tensor(pairs, dtype=torch.long, device=device).unbind(1)
+    return to_device(pairs, torch.long, device).unbind(1)
 
 
 @dataclass(slots=True)
@@ -169,7 +172,7 @@ class SamplingTensors:
         ps = [r.params for r in requests]
 
         def column(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         def k_of(p: SamplingParams) -> int:
             return vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)

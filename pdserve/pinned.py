@@ -1,0 +1,49 @@
+"""Host <-> device copies that do not wait for the GPU.
+
+`torch.tensor(values, device="cuda")` copies from pageable memory and then waits for the
+stream, that is for every kernel queued before it: with a step running ahead
+(pdserve.engine.run_ahead) that is the whole step in flight. These go through pinned memory
+(PyTorch's caching host allocator) with `non_blocking=True`, so the host goes on while the
+copy waits its turn on the stream. On the CPU they are plain tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Device = torch.device | str
+
+
+def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: Device) -> torch.Tensor:
+    """`values` as a `dtype` tensor on `device`, copied without waiting for the device."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(dtype)
+    return host.to(dtype).pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device tensors copied to pinned host memory as soon as they are computed; `wait()` blocks
+    until that copy (and only what the stream ran before it) is done."""
+
+    def __init__(self, *tensors: torch.Tensor | None) -> None:
+        self.event = None
+        self.tensors = [None if t is None else self._start(t) for t in tensors]
+        if any(t is not None and t.device.type == "cuda" for t in tensors):
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    @staticmethod
+    def _start(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    def wait(self) -> list[torch.Tensor | None]:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.tensors
