@@ -3,7 +3,7 @@
 OpenAI's API and vLLM's extensions have fields that change what a request means (structured
 output backends other than xgrammar, bad words, beam search, ...). The router does not do them, so a
 request that asks for one is refused with `param` set to the field; a field sent with its
-neutral value (null, false, {}, [], `response_format: {"type": "text"}`, `best_of` equal to n)
+neutral value (null, false, {}, [], `best_of` equal to n, `guided_decoding_backend: "xgrammar"`)
 asks for nothing and passes. Informational fields (`user`, `metadata`, `store`,
 `service_tier`, `prompt_cache_key`, `safety_identifier`) are accepted and ignored, as vLLM does;
 so are names neither API knows.
@@ -21,7 +21,6 @@ from router.errors import OpenAIError
 CODE = "unsupported_parameter"
 NEUTRAL = (None, False, {}, [], "")  # compared by value and type (0 is not False here)
 NEUTRAL_TOO = {
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "function_call": ("none",),
     "priority": (0,),
