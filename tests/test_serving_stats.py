@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import pytest
 
 from pdserve.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.messages import DecodeStart, Lease
 from pdserve.sampling.params import SamplingParams
 from pdserve.serving import EngineHost, ServiceConfig
@@ -31,19 +31,19 @@ class FakeOutput:
     num_cached_tokens: int = 0
 
 
-def run_to_end(engine: LLMEngine, stats: ServingStats) -> list[int]:
-    """Step until done; the cached prompt tokens of each request, as its first output says."""
-    cached = []
+def run_to_end(engine: LLMEngine, stats: ServingStats) -> dict[str, RequestOutput]:
+    """Step until done, counting; each request's first output (it says the cached tokens)."""
+    firsts = {}
     while engine.has_unfinished():
         outputs = engine.step()
         stats.observe(outputs)
-        cached += [out.num_cached_tokens for out in outputs if prefilled_here(out)]
-    return cached
+        firsts |= {out.request_id: out for out in outputs if prefilled_here(out)}
+    return firsts
 
 
 def test_counts_an_engines_outputs(tiny_model_dir) -> None:
     """Prompt tokens once a request (cached ones too), every generated token; the hit rate is
-    cached over prompt tokens: the second run of a 130-token prompt finds blocks of the first."""
+    cached over prompt tokens: a conversation's next turn finds the previous turn in the cache."""
     config = EngineConfig(
         model=str(tiny_model_dir),
         device="cpu",
@@ -55,21 +55,23 @@ def test_counts_an_engines_outputs(tiny_model_dir) -> None:
     stats = ServingStats("engine-0", interval_s=10.0, prefix_cache=True)
     prompts = random_prompts((130, 7), seed=5, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    assert run_to_end(engine, stats) == [0, 0]
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    firsts = run_to_end(engine, stats)
+    assert [firsts[i].num_cached_tokens for i in ids] == [0, 0]
     assert (stats.prompt_tokens, stats.generation_tokens) == (137, 8)
     assert stats.hit_rate() == 0.0
-    engine.add_request(prompts[0], params)
-    (cached,) = run_to_end(engine, stats)
-    assert cached >= 64  # at least one block of 64
-    assert (stats.prompt_tokens, stats.generation_tokens) == (267, 12)
-    assert stats.hit_rate() == pytest.approx(cached / 267)
+    answer = list(firsts[ids[0]].token_ids)  # the request's own list: complete now
+    engine.add_request(prompts[0] + answer + [5] * 20, params)  # 154 tokens
+    (first,) = run_to_end(engine, stats).values()
+    cached = first.num_cached_tokens
+    assert cached > 0
+    assert (stats.prompt_tokens, stats.generation_tokens) == (291, 12)
+    assert stats.hit_rate() == pytest.approx(cached / 291)
     line = stats.line(LOAD, now=stats.last_line_at + 10.0)
     assert line == (
-        "engine-0: Avg prompt throughput: 26.7 tokens/s, Avg generation throughput: 1.2 tokens/s, "
+        "engine-0: Avg prompt throughput: 29.1 tokens/s, Avg generation throughput: 1.2 tokens/s, "
         "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
-        f"Prefix cache hit rate: {100 * cached / 267:.1f}%"
+        f"Prefix cache hit rate: {100 * cached / 291:.1f}%"
     )
     assert (stats.prompt_tokens, stats.generation_tokens) == (0, 0)  # counting starts over
 
@@ -134,7 +136,8 @@ def test_a_serving_host_logs_the_line(tiny_model_dir, caplog: pytest.LogCaptureF
     pattern = (
         r"both: Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
     )
-    pattern += r"Running: \d+ reqs, Waiting: \d+ reqs, .*KV cache usage: [\d.]+%$"
+    pattern += r"Running: \d+ reqs, Waiting: \d+ reqs, .*KV cache usage: [\d.]+%"
+    pattern += r"(?:, Prefix cache hit rate: [\d.]+%)?$"  # with the prefix cache (on by default)
     rates = [tuple(map(float, re.match(pattern, line).groups())) for line in lines]
     assert sum(prompt for prompt, _ in rates) > 0 and sum(gen for _, gen in rates) > 0
     assert rates[-1] == (0.0, 0.0) and len(rates) <= 5, lines  # 1.2 s idle at the end: one zero line
