@@ -335,4 +335,12 @@ class CompletionRequest(OpenAIRequest):
         return self.max_tokens
 
     def num_logprobs(self) -> int | None:
-        return self.logprobs  # with echo: the prompt's too (prompt_logprobs, router.app)
+        return self.logprobs
+
+    def sampling_params(
+        self, max_tokens: int, vocab_size: int, chat_parsing: ChatParsingConfig | None = None
+    ) -> SamplingParams:
+        params = super().sampling_params(max_tokens, vocab_size, chat_parsing)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs  # vLLM's: an echoed prompt brings its logprobs
+        return params

@@ -20,13 +20,6 @@ pytest_plugins = ["tests.router_server"]  # the shared engine, server and client
 
 PROMPT = "The quick brown fox jumps over"
 TOP = 2
-NEEDS_ECHO_MAPPING = pytest.mark.xfail(
-    strict=True,
-    reason="router/protocol.py (H1) must set prompt_logprobs = logprobs for echo, as vLLM does",
-)
-NEEDS_MAX_TOKENS_0 = pytest.mark.xfail(
-    strict=True, reason="pdserve/sampling/params.py (H1) must accept max_tokens=0 (the prompt scored only)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +118,6 @@ def test_chat_prompt_logprobs_at_the_top(client: openai.OpenAI, offline: LLMEngi
     assert values == pytest.approx([e["logprob"] for e in ref.prompt_logprobs[1:]], abs=1e-4)
 
 
-@NEEDS_ECHO_MAPPING
 def test_echo_with_logprobs_alone_returns_the_prompt_logprobs(
     client: openai.OpenAI, offline: LLMEngine
 ) -> None:
@@ -137,7 +129,6 @@ def test_echo_with_logprobs_alone_returns_the_prompt_logprobs(
     check_echoed_logprobs(offline, r.choices[0].logprobs.model_dump(), ref)
 
 
-@NEEDS_MAX_TOKENS_0
 def test_max_tokens_zero_returns_the_prompt_only(client: openai.OpenAI, offline: LLMEngine) -> None:
     ref = generate(offline, PROMPT, max_tokens=0, logprobs=TOP, prompt_logprobs=TOP)
     extra = {"prompt_logprobs": TOP}

@@ -23,11 +23,6 @@ from pdserve.sampling.params import SamplingParams
 from tests.stack import Stack
 
 lm_eval = pytest.importorskip("lm_eval")
-NEEDS_PROTOCOL = pytest.mark.xfail(
-    strict=True,
-    reason="router/protocol.py and sampling/params.py (H1): echo+logprobs must ask for prompt_logprobs "
-    "and SamplingParams accept max_tokens=0 (/work/notes/h2-protocol.diff)",
-)
 
 QUESTIONS = [
     {"question": "The capital of France is", "choices": [" Paris", " Rome", " a small town"], "label": 0},
@@ -89,7 +84,6 @@ def offline_loglikelihood(
     return sum(e["logprob"] for e in entries), greedy
 
 
-@NEEDS_PROTOCOL
 def test_lm_eval_local_completions(
     stack: Stack, offline: LLMEngine, tiny_model_dir, tmp_path, monkeypatch
 ) -> None:
@@ -147,7 +141,6 @@ async def instance_loads(stack: Stack) -> list[dict]:
         return [i.load for role in ("prefill", "decode") for i in await registry.instances(role)]
 
 
-@NEEDS_PROTOCOL
 def test_max_tokens_zero_returns_the_prompt_logprobs_and_holds_nothing(
     stack: Stack, offline: LLMEngine
 ) -> None:

@@ -83,9 +83,6 @@ def test_zero_alternatives_give_the_token_alone(engine, hf_model) -> None:
     assert got == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pdserve/sampling/params.py (H1) must accept max_tokens=0 (the prompt scored only)"
-)
 def test_max_tokens_zero_scores_the_prompt_only(engine, hf_model) -> None:
     prompt = random_prompts((50,), seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1)

@@ -29,7 +29,7 @@ from pdserve.sampling.sampler import apply_min_p, apply_penalties, apply_top_k_t
         {"presence_penalty": 2.5},
         {"frequency_penalty": -2.1},
         {"repetition_penalty": 0.0},
-        {"max_tokens": 0},
+        {"max_tokens": -1},
         {"min_tokens": -1},
         {"min_tokens": 5, "max_tokens": 4},
         {"stop": ["ok", ""]},

@@ -92,8 +92,8 @@ class SamplingParams:
             raise ValueError(f"n must be an int in [1, 2**63), got {self.n!r}")
         if self.seed is not None and not _is_int_in(self.seed, INT64_MIN):
             raise ValueError(f"seed must be None or an int in [-2**63, 2**63), got {self.seed!r}")
-        if self.max_tokens is not None and not _is_int_in(self.max_tokens, 1):
-            raise ValueError(f"max_tokens must be None or an int in [1, 2**63), got {self.max_tokens!r}")
+        if self.max_tokens is not None and not _is_int_in(self.max_tokens, 0):  # 0: score the prompt only
+            raise ValueError(f"max_tokens must be None or an int in [0, 2**63), got {self.max_tokens!r}")
         if not _is_int_in(self.min_tokens, 0):
             raise ValueError(f"min_tokens must be an int in [0, 2**63), got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
