@@ -5,9 +5,11 @@ cost 8 s of TTFT on the H200, docs/benchmarks.md).
 Shape classes: prefill passes of 16, 32, ... up to `max_num_batched_tokens` tokens (one prompt,
 one prompt a token shorter, then the same tokens as many short prompts packed together), each
 followed by a few decode steps; decode batch sizes are compiled when their CUDA graphs are
-captured. The shorter prompt is there because Triton compiles a kernel again for integer
-arguments that are not multiples of 16 (a token count of 1,031 is not): on the H200 those
-variants were compiled under traffic before it (py-spy, docs/benchmarks.md).
+captured; and the structured-output view of the vocabulary is built (a first constrained
+request would otherwise pay ~3 s). The shorter prompt is there because Triton compiles a
+kernel again for integer arguments that are not multiples of 16 (a token count of 1,031 is
+not): on the H200 those variants were compiled under traffic before it (py-spy,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.sampling.grammar import tokenizer_grammars
 from pdserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,3 +56,6 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
     cache = engine.prefix_cache
     while cache is not None and cache.evict_one():  # warm-up prompts are nobody's prefix
         pass
+    if engine.tokenizer is not None:  # structured outputs' view of the vocabulary (~3 s, once)
+        tokenizer_grammars(engine.tokenizer)
+        progress(f"warm-up: grammar tokenizer ready ({time.monotonic() - start:.0f} s)")
