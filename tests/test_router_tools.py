@@ -256,9 +256,6 @@ def post(routers: dict, name: str, body: dict) -> httpx.Response:
 
 
 REFUSED = [
-    ("qwen3_coder", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "not supported yet"),
-    ("qwen3_coder", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-     "tool_choice", "not supported yet"),
     ("qwen3_coder", {"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ("qwen3_coder", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
     ("qwen3_coder", {"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
