@@ -45,7 +45,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     recurrent_state_dtype: str | torch.dtype = "float32"
     enforce_eager: bool = False  # True: no CUDA graphs for decode (vLLM's flag)
-    enable_prefix_caching: bool = False  # the hybrid prefix cache (docs/prefix-cache.md)
+    enable_prefix_caching: bool = True  # the hybrid prefix cache (docs/prefix-cache.md), as vLLM
     prefix_block_size: int = 64  # tokens per cache block (a multiple of page_size)
     num_prefix_checkpoints: int = 32  # GDN state checkpoints kept on the device
     # what the engine serves: "prefill" captures no decode graphs (it never decodes), "decode"

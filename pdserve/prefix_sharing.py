@@ -52,7 +52,7 @@ class Pull:
     agent: str
     key: bytes
     parent: bytes
-    tail_len: int
+    tail: tuple[int, ...]
     block_keys: list[bytes]
     num_tokens: int
     pin_id: str | None = None
@@ -165,11 +165,11 @@ class PrefixSharing(ServiceRole):
             )
             cache.refused.add(seq)
             return False
-        key, parent, tail_len = cache.key_of(seq, n)
+        key, parent, tail = cache.key_of(seq, n)
         if key.hex() != source["key"]:  # another prompt's key: the router's view was stale
             return False
         block_keys = list(cache.seq_block_keys(seq, n))
-        pull = Pull(seq, source["agent"], key, parent, tail_len, block_keys, n)
+        pull = Pull(seq, source["agent"], key, parent, tail, block_keys, n)
         self.pulls[seq.request_id] = pull
         self.engine.scheduler.fetching[seq.request_id] = seq
         asyncio.run_coroutine_threadsafe(self._pin_remote(pull), self._loop)
@@ -240,7 +240,7 @@ class PrefixSharing(ServiceRole):
                 self._give_up(pull, f"the READ failed: {pull.handle.error}")
                 continue
             self.cache.insert_pulled(
-                pull.key, pull.parent, pull.tail_len, pull.block_keys, pull.pages, pull.checkpoint
+                pull.key, pull.parent, pull.tail, pull.block_keys, pull.pages, pull.checkpoint
             )
             took = time.monotonic() - pull.started
             beyond = max(0.0, took - pull.handle.nbytes / self.link_bytes_per_s)

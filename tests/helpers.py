@@ -13,10 +13,14 @@ def random_prompts(lengths: tuple[int, ...] | list[int], seed: int, vocab: int =
 
 
 def assert_no_leaks(engine: LLMEngine) -> None:
-    """Every KV page and GDN state slot is back in its free pool, and no request is left."""
+    """Every KV page and GDN state slot is back in its free pool, and no request is left, once
+    the prefix cache (on by default) is cleared: what it held is all it held."""
     runner = engine.runner
     s = engine.scheduler
     assert not s.running and not s.waiting and not s.held and not s.receiving
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+        assert not engine.prefix_cache.entries, "a cache entry is still pinned"
     reserved = runner.reserved  # held by the CUDA graphs' padding rows
     assert runner.kv_pool.num_free == runner.kv_pool.num_pages - reserved, "KV pages leaked"
     assert runner.state_pool.num_free == runner.state_pool.num_slots - reserved, "GDN state slots leaked"

@@ -14,7 +14,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir) -> LLM:
-    return LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+    return LLM(
+        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512, enable_prefix_caching=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,46 +39,55 @@ def shared_prefix_prompts(prefix_len: int, suffix_lens: tuple[int, ...], seed: i
     return [prefix + s for s in suffixes]
 
 
-def test_checkpoint_boundary_policy(cached: LLM) -> None:
+def test_chunk_ends_are_checkpoints(cached: LLM, plain: LLM) -> None:
+    """A prompt the token budget cuts into chunks leaves a checkpoint where each chunk ended (no
+    pass of its own); a prompt sharing its first 230 tokens reuses the one at 200."""
+    first, more, other = random_prompts((260, 20, 40), seed=10)
+    cache, scheduler = cached.engine.prefix_cache, cached.engine.scheduler
+    scheduler.max_num_batched_tokens = 100
+    try:
+        cached.generate(first + more, GREEDY)
+    finally:
+        scheduler.max_num_batched_tokens = 8192
+    chunks = sorted(e.num_tokens for e in cache.entries.values() if e.kind == "chunk")
+    assert chunks == [100, 200]
+    sibling = first[:230] + other
+    out = cached.generate(sibling, GREEDY)[0]
+    assert out.num_cached_tokens == 200
+    assert out.token_ids == plain.generate(sibling, GREEDY)[0].token_ids
+
+
+def test_siblings_checkpoint_where_they_diverge(cached: LLM, plain: LLM) -> None:
+    """Three prompts sharing 150 tokens: the first keeps its end and its generation's; the
+    second finds no checkpoint (a miss, "diverged") and saves one where it leaves the first
+    (token 150, a branch point); the third computes only its own suffix."""
+    first, second, third = shared_prefix_prompts(150, (30, 40, 50), seed=11)
     cache = cached.engine.prefix_cache
-    assert cache.block_size == 64
-    # the last block boundary that leaves a token to compute, moved back a block within the last 16
-    assert [cache.checkpoint_boundary(n) for n in (10, 64, 65, 100, 140, 180, 200)] == [
-        0,
-        0,
-        0,
-        64,
-        64,
-        128,
-        128,
-    ]
-
-
-def test_second_request_reuses_the_prefix_and_equals_uncached(cached: LLM, plain: LLM) -> None:
-    first, second = shared_prefix_prompts(150, (30, 40), seed=11)
-    cached.generate(first, GREEDY)  # checkpoints at token 128, its prompt's end and its generation's
-    entries = cached.engine.prefix_cache.entries.values()
-    assert [(e.kind, e.num_tokens) for e in entries] == [
-        ("boundary", 128),
+    cached.generate(first, GREEDY)
+    assert [(e.kind, e.num_tokens) for e in cache.entries.values()] == [
         ("end", 180),
         ("decode", 180 + GREEDY.max_tokens),  # the last token too: the engine ran one step ahead
     ]
+    assert cached.generate(second, GREEDY)[0].num_cached_tokens == 0
+    assert cache.stats.misses["diverged"] >= 1
+    assert any(e.kind == "branch" and e.num_tokens == 150 for e in cache.entries.values())
     seen = []
     execute = cached.engine.runner.execute
     cached.engine.runner.execute = lambda s, patch=None: seen.append((s, execute(s, patch))) or seen[-1][1]
     try:
-        out = cached.generate(second, GREEDY)[0]
+        out = cached.generate(third, GREEDY)[0]
     finally:
         del cached.engine.runner.execute
     first_pass = seen[0][0][0]
-    assert first_pass.num_new_tokens == len(second) - 128, "only the uncached suffix is computed"
-    assert out.num_cached_tokens == 128
-    assert out.token_ids == plain.generate(second, GREEDY)[0].token_ids
+    assert first_pass.num_new_tokens == len(third) - 150, "only the uncached suffix is computed"
+    assert out.num_cached_tokens == 150
+    assert out.token_ids == plain.generate(third, GREEDY)[0].token_ids
 
 
 def test_cached_logits_and_states_equal_uncached(cached: LLM, plain: LLM) -> None:
-    first, second = shared_prefix_prompts(140, (40, 60), seed=12)
+    first, extra = random_prompts((180, 60), seed=12)
     cached.generate(first, SamplingParams(max_tokens=1))
+    second = first + extra  # restores the checkpoint at first's end (inside a page)
     (warm,) = prefill_states(cached.engine, [second], token_budget=4096)
     (cold,) = prefill_states(plain.engine, [second], token_budget=4096)
     for key, diff in relative_differences(warm, cold).items():
@@ -84,12 +95,16 @@ def test_cached_logits_and_states_equal_uncached(cached: LLM, plain: LLM) -> Non
 
 
 def test_packed_burst_with_a_shared_prefix_equals_uncached(cached: LLM, plain: LLM) -> None:
+    """Cold, packed: nothing to reuse. The same burst again: each prompt finds its own end
+    entry, unusable (its last token must be computed), and checkpoints its last token but one;
+    a third time every prompt computes one token."""
     prompts = shared_prefix_prompts(130, (20, 35, 50, 70), seed=13)
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     assert [o.token_ids for o in cached.generate(prompts, GREEDY)] == expected  # cold, packed
-    again = cached.generate(prompts, GREEDY)  # warm: every prompt restores the prefix
+    assert [o.token_ids for o in cached.generate(prompts, GREEDY)] == expected
+    again = cached.generate(prompts, GREEDY)
     assert [o.token_ids for o in again] == expected
-    assert all(o.num_cached_tokens == 128 for o in again)
+    assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in prompts]
 
 
 def test_entries_are_evicted_under_memory_pressure(tiny_model_dir) -> None:
@@ -106,7 +121,9 @@ def test_entries_are_evicted_under_memory_pressure(tiny_model_dir) -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = [llm.generate(p, params)[0] for p in prompts]  # each saves a checkpoint; only 2 fit
     assert len(llm.engine.prefix_cache.entries) <= 2
-    plain = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256)
+    plain = LLM(
+        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256, enable_prefix_caching=False
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
     # a prompt needing more pages than are free evicts cache entries instead of failing
     big = random_prompts((250,), seed=15)[0]
@@ -116,9 +133,9 @@ def test_entries_are_evicted_under_memory_pressure(tiny_model_dir) -> None:
 
 
 def test_cached_tokens_reach_the_usage(cached: LLM) -> None:
-    prompt = shared_prefix_prompts(100, (10,), seed=16)[0]
+    prompt, more = random_prompts((100, 10), seed=16)
     assert cached.generate(prompt, SamplingParams(max_tokens=1))[0].num_cached_tokens == 0
-    assert cached.generate(prompt, SamplingParams(max_tokens=1))[0].num_cached_tokens == 64
+    assert cached.generate(prompt + more, SamplingParams(max_tokens=1))[0].num_cached_tokens == 100
     checkpoints = cached.engine.prefix_cache.checkpoints
     assert checkpoints.states is cached.engine.runner.state_pool, "a checkpoint is a state slot"
 
@@ -131,7 +148,7 @@ def test_preemption_with_the_cache_is_exact(tiny_model_dir, plain: LLM) -> None:
         device="cpu",
         dtype="float32",
         max_model_len=256,
-        num_kv_pages=30,
+        num_kv_pages=26,
         enable_prefix_caching=True,
         num_prefix_checkpoints=4,
     )

@@ -31,8 +31,8 @@ SHORT = {**GREEDY, "max_tokens": 12}
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
-    flags = {"decode": ["--enable-prefix-caching"]}
-    s = Stack(tiny_model_dir, tmp_path_factory.mktemp("conversation"), 2, 2, extra_flags=flags).start()
+    # default flags: the prefix cache is on (Stack adds --enable-prefix-caching to prefill only)
+    s = Stack(tiny_model_dir, tmp_path_factory.mktemp("conversation"), num_prefill=2, num_decode=2).start()
     yield s
     s.stop()
 

@@ -1,5 +1,7 @@
 """Prefix-aware routing: with two prefill instances, a prompt goes to the one whose cache holds
 its prefix (published in Redis), and is served from that cache."""
+# the prompt a warmed instance caches is a prefix of the routed one: an entry of a whole prompt
+# serves the prompts that continue it (the same prompt again must compute its last token)
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.prefix_cache import prefix_block_keys
 from pdserve.registry import InstanceRegistry
 from pdserve.rpc import RpcClient
+from router.prefix_route import prefix_holders
 from tests.helpers import random_prompts
 from tests.stack import Stack
 
@@ -43,11 +45,11 @@ async def warm_cache_of(stack: Stack, instance_id: str, prompt: list[int]) -> No
         await client.unary("release", {"request_id": "warm-up", "lease_id": result["lease"]["lease_id"]})
         await client.close()
         extra = instance.extra
-        keys = prefix_block_keys(prompt[:-1], extra["prefix_block_size"], extra["prefix_salt"])
+        block_size, salt = extra["prefix_block_size"], extra["prefix_salt"]
         deadline = time.monotonic() + 10
-        while True:
-            owners = await registry.prefix_owners([k.hex() for k in keys])
-            if instance_id in owners.values():
+        while True:  # its entry of the whole prompt is found for a prompt continuing it
+            holders = await prefix_holders(registry, [*prompt, 1], block_size, salt, {instance_id})
+            if holders and holders[0].num_tokens == len(prompt):
                 return
             assert time.monotonic() < deadline, "the prefix was never published"
             await asyncio.sleep(0.2)
@@ -59,15 +61,16 @@ def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, tiny_mode
     prompt = random_prompts((150,), seed=21)[0]
     asyncio.run(warm_cache_of(stack, "prefill-1", prompt))  # least-load ties would pick prefill-0
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
+    turn = prompt + random_prompts((20,), seed=23)[0]
     reply = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        model="tiny", prompt=turn, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
     )
-    assert reply.usage.prompt_tokens_details.cached_tokens == 128
+    assert reply.usage.prompt_tokens_details.cached_tokens == 150
     metrics = httpx.get(f"{stack.url}/metrics").text
-    assert "pdserve:prefix_cache_hit_tokens_total 128.0" in metrics
+    assert "pdserve:prefix_cache_hit_tokens_total 150.0" in metrics
     assert "pdserve:prefix_routed_requests_total 1.0" in metrics
     offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
-    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    expected = offline.generate(turn, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert reply.choices[0].text == expected.text
     # a prompt nobody caches is routed by load alone and computes everything
     other = random_prompts((150,), seed=22)[0]
@@ -78,16 +81,19 @@ def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, tiny_mode
 
 
 def test_prefix_cache_hit_equals_offline(stack: Stack, tiny_model_dir) -> None:
-    """The prefill instance runs with the prefix cache: a repeated long prompt reuses its
-    checkpointed prefix (reported as cached tokens) and still gives the offline tokens."""
+    """The prefill instance runs with the prefix cache: a long prompt sent again finds its own
+    entry, which it cannot use whole (its last token is computed), and checkpoints its last
+    token but one; the third time reuses that (reported as cached tokens); every answer is the
+    offline one."""
     prompt = " ".join(f"fact {i} is that the sky is blue;" for i in range(25))
     offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
     expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
-    for attempt in range(2):
+    for attempt in range(3):
         reply = client.completions.create(
             model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
         )
         assert reply.choices[0].text == expected
         cached = reply.usage.prompt_tokens_details.cached_tokens
-        assert (cached > 0) == (attempt == 1), f"attempt {attempt}: {cached} cached tokens"
+        want = reply.usage.prompt_tokens - 1 if attempt == 2 else 0
+        assert cached == want, f"attempt {attempt}: {cached} cached tokens"

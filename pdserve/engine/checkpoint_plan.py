@@ -1,13 +1,17 @@
 """Where a prompt saves prefix-cache checkpoints while it is prefilled (docs/prefix-cache.md).
 
-Positions, each with the kind of entry it makes:
-  - "boundary": the prompt's last block boundary (moved back a block inside its last tokens);
-  - "branch": the longest block boundary the prompt shares with cached entries that have no
-    checkpoint there (Marconi's branch point: the next prompt sharing it will find one);
-  - "resume": where the generation prompt starts that the next turn does not repeat;
+Planned positions (a prefill chunk stops at each, `Scheduler._chunk`, so the state can be
+copied there), each with the kind of entry it makes:
+  - "resume": where the generation prompt starts that a chat's next turn does not repeat
+    (`pdserve.engine.resume_points`): that turn reuses everything before it;
+  - "branch": how far the prompt runs along what the cache already holds without finding a
+    checkpoint (a sibling of a cached prompt, or the same prompt again): the next prompt that
+    shares it finds one (Marconi's branch points);
   - "end": the prompt's exact end, for a request that decodes here (a request handed over
     keeps its slot until the decode side has read it; the slot itself then becomes the entry).
-A prefill chunk stops at each position so the state can be copied there (`Scheduler._chunk`).
+Unplanned, and free of an extra pass: where a chunk ends because the step's token budget does
+("chunk", `Scheduler.reached_checkpoint`). No position is forced on a block boundary: a split
+there would cost every prompt a pass for a sibling that may never come.
 """
 
 from __future__ import annotations
@@ -21,10 +25,9 @@ def plan_checkpoints(
 ) -> list[tuple[int, str]]:
     """(position, kind) after `start`, in order; one kind per position (the later rule wins)."""
     n = seq.num_prompt_tokens
-    wanted = {cache.checkpoint_boundary(n): "boundary"}
+    wanted = {cache.resume_point(seq.prompt_token_ids): "resume"}
     if lookup is not None and 0 < lookup.shared_tokens < n:
         wanted[lookup.shared_tokens] = "branch"
-    wanted[cache.resume_point(seq.prompt_token_ids)] = "resume"
     if not seq.handoff:
         wanted[n] = "end"
     return sorted((pos, kind) for pos, kind in wanted.items() if pos > start)

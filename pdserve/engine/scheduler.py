@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.checkpoint_plan import plan_checkpoints
+from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import CacheEntry, Lookup, PrefixCache
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.memory import GdnStatePool, KvPagePool
@@ -46,24 +47,6 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class PrefillRate:
-    """Prompt tokens computed per second, measured over back-to-back steps (a step's time runs
-    from one `schedule` to the next), an exponential average; `prior` until measured."""
-
-    tokens_per_s: float = 2_000.0
-    _started: float | None = None
-    _tokens: int = 0
-
-    def step_started(self, now: float) -> None:
-        if self._started is not None and self._tokens >= 16 and 0 < now - self._started < 1.0:
-            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * self._tokens / (now - self._started)
-        self._started, self._tokens = now, 0
-
-    def scheduled(self, tokens: int) -> None:
-        self._tokens = tokens
 
 
 @dataclass(slots=True)
@@ -203,13 +186,18 @@ class Scheduler:
         return pages <= self.kv_pool.num_free
 
     def reached_checkpoint(self, seq: Sequence) -> None:
-        """Called after each pass: save the prefix checkpoint of a sequence that just reached one."""
-        if seq.checkpoint_at is None or seq.num_computed_tokens != seq.checkpoint_at:
+        """Called after each pass: save the prefix checkpoint of a sequence that just reached a
+        planned one, or whose prefill chunk the token budget ended before its prompt's end."""
+        cache, n = self.prefix_cache, seq.num_computed_tokens
+        if cache is None:
             return
-        plan = self._plans.get(seq) or [(seq.checkpoint_at, "boundary")]
-        _, kind = plan.pop(0)
-        self.prefix_cache.save(seq, kind)
-        seq.checkpoint_at = plan[0][0] if plan else None
+        if seq.checkpoint_at is not None and n == seq.checkpoint_at:
+            plan = self._plans.get(seq) or [(n, "branch")]
+            _, kind = plan.pop(0)
+            cache.save(seq, kind)
+            seq.checkpoint_at = plan[0][0] if plan else None
+        elif 0 < n < seq.num_prompt_tokens:
+            cache.save(seq, "chunk")
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give `seq` pages for `n` more tokens; False when the pool cannot."""
