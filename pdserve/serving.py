@@ -206,8 +206,9 @@ class EngineHost:
         return self._load
 
     def extra(self) -> dict:
-        """Published with the instance: its transfer agent and prefix-cache keying."""
-        info = {"agent": self.agent.name}
+        """Published with the instance: its transfer agent, the longest request it takes (its
+        max_model_len, perhaps lowered by the memory plan) and prefix-cache keying."""
+        info = {"agent": self.agent.name, "max_model_len": self.engine.config.max_model_len}
         cache = self.engine.prefix_cache
         if cache is not None:
             info |= {"prefix_block_size": cache.block_size, "prefix_salt": cache.salt}

@@ -55,7 +55,16 @@ class DisaggBackend:
         self.bursts = PrefillBursts(instances, self.metrics, burst or BurstConfig(), self.background)
 
     def max_model_len(self) -> int:
-        return self._max_model_len
+        """The longest request every live instance takes (each publishes its own, which the
+        memory plan may have lowered to what its KV pool holds), never above the router's own
+        limit; the router's limit alone while no instance has registered."""
+        published = [
+            info.extra["max_model_len"]
+            for role in self.instances.live.values()
+            for info in role.values()
+            if isinstance(info.extra.get("max_model_len"), int)
+        ]
+        return min([self._max_model_len, *published])
 
     async def health(self) -> dict:
         counts = self.instances.counts()

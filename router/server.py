@@ -47,7 +47,7 @@ class RouterConfig:
     ] = ()  # accepted in `model`; answers carry the first (default: `model`)
     host: str = "127.0.0.1"
     port: int = 8000
-    max_model_len: int | None = None  # default: the model's, capped at 32,768
+    max_model_len: int | None = None  # default: the model's; the instances' own limits apply below it
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # keys, body size, queue
     burst: BurstConfig = field(default_factory=BurstConfig)
     shutdown_timeout_s: float = 30.0  # on SIGTERM: how long open requests may go on (router.drain)
@@ -118,7 +118,8 @@ class Router:
 def build_router(config: RouterConfig) -> Router:
     """The app over a `DisaggBackend`, with the per-role load gauges on its /metrics."""
     model_config = ModelConfig.from_pretrained(config.model)
-    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 32_768)
+    # an upper bound: each request is held to the smallest limit the live instances publish
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
     metrics = RouterMetrics()
     registry = InstanceRegistry(config.redis_url)
     instances = InstanceSet(registry, metrics)
