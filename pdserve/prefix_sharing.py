@@ -164,6 +164,7 @@ class PrefixSharing(ServiceRole):
                 gain,
             )
             cache.refused.add(seq)
+            cache.stats.pulls["refused"] += 1
             return False
         key, parent, tail = cache.key_of(seq, n)
         if key.hex() != source["key"]:  # another prompt's key: the router's view was stale
@@ -242,6 +243,8 @@ class PrefixSharing(ServiceRole):
             self.cache.insert_pulled(
                 pull.key, pull.parent, pull.tail, pull.block_keys, pull.pages, pull.checkpoint
             )
+            self.cache.stats.pulls["done"] += 1
+            self.cache.stats.pull_bytes += pull.handle.nbytes
             took = time.monotonic() - pull.started
             beyond = max(0.0, took - pull.handle.nbytes / self.link_bytes_per_s)
             self.overhead_s = 0.7 * self.overhead_s + 0.3 * beyond
@@ -259,6 +262,7 @@ class PrefixSharing(ServiceRole):
 
     def _give_up(self, pull: Pull, why: str) -> None:
         log.warning("prefix pull for %s: %s; computing it instead", pull.seq.request_id, why)
+        self.cache.stats.pulls["failed"] += 1
         if pull.pages:
             self.engine.runner.kv_pool.free(pull.pages)
         if pull.checkpoint is not None:

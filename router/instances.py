@@ -15,6 +15,7 @@ from collections import defaultdict
 from pdserve.registry import InstanceInfo, InstanceRegistry
 from pdserve.rpc import RpcClient
 from router.metrics import RouterMetrics
+from router.prefix_metrics import PrefixCacheMetrics
 
 log = logging.getLogger("pdserve.router")
 SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}
@@ -42,6 +43,7 @@ class InstanceSet:
             "instance_load", "Requests running + waiting per instance", ["role", "instance"]
         )
         self._count = metrics.gauge("instances_live", "Live instances per role", ["role"])
+        self.prefix_metrics = PrefixCacheMetrics(metrics)
 
     async def start(self) -> None:
         await self.refresh()
@@ -85,6 +87,7 @@ class InstanceSet:
                 self._load.labels(role, i.instance_id).set(
                     i.load.get("running", 0) + i.load.get("waiting", 0)
                 )
+                self.prefix_metrics.observe(i.instance_id, i.load.get("prefix_cache"))
 
     def pick(self, role: str, exclude: set[str] = frozenset(), prefer: str | None = None) -> InstanceInfo:
         """The least loaded live instance; `prefer` (it caches the prompt's prefix) wins unless

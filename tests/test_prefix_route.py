@@ -11,6 +11,8 @@ import pytest
 from pdserve.messages import GenerateItem
 from pdserve.prefix_keys import entry_key, parents_of, tail_marker
 from pdserve.registry import InstanceRegistry, RedisServer
+from router.metrics import RouterMetrics
+from router.prefix_metrics import PrefixCacheMetrics
 from router.prefix_route import prefix_holders
 
 BLOCK, SALT = 64, "tiny:test"
@@ -76,3 +78,21 @@ def test_prefix_source_is_validated() -> None:
     for bad in ({**source, "key": "not hex"}, {**source, "num_tokens": 0}, {**source, "address": "x"}, []):
         with pytest.raises(ValueError, match="prefix_source"):
             GenerateItem.from_wire({**wire, "prefix_source": bad})
+
+
+def test_instance_counters_become_router_counters() -> None:
+    """Each instance's running totals count once; a total that went down is a restart."""
+    metrics = RouterMetrics()
+    prefix = PrefixCacheMetrics(metrics)
+
+    def report(gpu: int, peer: int, no_entry: int) -> dict:
+        return {"hit_tokens": {"gpu": gpu, "peer": peer}, "misses": {"no_entry": no_entry}}
+
+    prefix.observe("a", report(100, 0, 1))
+    prefix.observe("b", report(10, 50, 0))
+    prefix.observe("a", report(130, 0, 1))  # +30
+    prefix.observe("b", report(5, 0, 2))  # restarted: counted from zero
+    text = metrics.render().decode()
+    assert 'pdserve:prefix_cache_hit_tokens_by_source_total{source="gpu"} 145.0' in text
+    assert 'pdserve:prefix_cache_hit_tokens_by_source_total{source="peer"} 50.0' in text
+    assert 'pdserve:prefix_cache_misses_total{reason="no_entry"} 3.0' in text

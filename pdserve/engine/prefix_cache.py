@@ -28,10 +28,10 @@ import weakref
 from dataclasses import dataclass, field
 
 from pdserve.engine.prefix_index import CacheEntry, EntryIndex
-from pdserve.engine.prefix_stats import PrefixStats
 from pdserve.engine.sequence import Sequence
 from pdserve.memory import GdnCheckpointPool, KvPagePool
 from pdserve.prefix_keys import entry_key, extend_block_keys, prefix_block_keys, root_key, tail_marker
+from pdserve.prefix_stats import PrefixStats
 
 __all__ = ["CacheEntry", "Lookup", "PrefixCache", "prefix_block_keys"]
 LOW_VALUE_KINDS = ("chunk",)  # admitted only over entries nobody reused

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 HIT_SOURCES = ("gpu", "host", "peer")
 MISS_REASONS = ("no_entry", "evicted", "diverged", "too_short")
+PULL_OUTCOMES = ("done", "failed", "refused")
 
 
 @dataclass(slots=True)
@@ -22,6 +23,10 @@ class PrefixStats:
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     saved: int = 0  # checkpoints taken (copied or adopted)
     evicted: int = 0  # entries dropped to make room
+    # pulls of entries from peers (pdserve.prefix_sharing): done, failed, or not started because
+    # recomputing was cheaper; bytes read
+    pulls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PULL_OUTCOMES, 0))
+    pull_bytes: int = 0
 
     def hit(self, source: str, tokens: int) -> None:
         self.hit_requests[source] += 1
@@ -38,4 +43,6 @@ class PrefixStats:
             "misses": dict(self.misses),
             "saved": self.saved,
             "evicted": self.evicted,
+            "pulls": dict(self.pulls),
+            "pull_bytes": self.pull_bytes,
         }
