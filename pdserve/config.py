@@ -48,6 +48,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # the hybrid prefix cache (docs/prefix-cache.md), as vLLM
     prefix_block_size: int = 64  # tokens per cache block (a multiple of page_size)
     num_prefix_checkpoints: int = 32  # GDN state checkpoints kept on the device
+    # the prefix cache's pinned host tier for entries evicted from the device, MiB (0: none);
+    # None: 4,096 on a GPU, 16 on a CPU (the same code path, a small pool)
+    snapshot_pool_mb: int | None = None
     # what the engine serves: "prefill" captures no decode graphs (it never decodes), "decode"
     # (its prefix cache holds finished generations, for a prefill instance to pull), "both"
     # (offline, or one engine on one GPU)
@@ -79,6 +82,12 @@ class EngineConfig:
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.snapshot_pool_mb is None:
+            self.snapshot_pool_mb = 4096 if self.device.startswith("cuda") else 16
+        if self.snapshot_pool_mb < 0:
+            raise ValueError("snapshot_pool_mb must be >= 0")
+        if not self.enable_prefix_caching:
+            self.snapshot_pool_mb = 0
         if self.num_state_slots is None:
             extra = self.num_prefix_checkpoints if self.enable_prefix_caching else 0
             self.num_state_slots = self.max_num_seqs + extra

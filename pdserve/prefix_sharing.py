@@ -79,6 +79,8 @@ class PrefixSharing(ServiceRole):
         self.peers = PeerDirectory(host, roles=("decode", "prefill"))
         self.link_bytes_per_s = float(LINK_PRIOR[self.agent.mem_type])
         self.overhead_s = PULL_OVERHEAD_S  # a pull's time beyond its bytes: measured, averaged
+        if self.cache is not None:  # the host tier, allocated now rather than at the first eviction
+            self.cache.configure_host_tier(self.engine.config.snapshot_pool_mb << 20)
         if self.cache is not None and self.engine.tokenizer is not None:
             suffix = resume_suffix(self.engine.tokenizer)
             self.cache.resume_suffixes = [suffix] if suffix else []
@@ -91,10 +93,11 @@ class PrefixSharing(ServiceRole):
         of unpinned entries as free; `prefix_checkpoints` says how many hold one."""
         if self.cache is None:
             return {}
-        evictable = sum(1 for e in self.cache.entries.values() if e.pins == 0)
+        evictable = sum(1 for e in self.cache.entries.values() if e.tier == "gpu" and e.pins == 0)
         return {
             "free_state_slots": self.engine.runner.state_pool.num_free + evictable,
             "prefix_checkpoints": self.cache.checkpoints.num_used,
+            "prefix_host_entries": sum(1 for e in self.cache.entries.values() if e.tier == "host"),
             "prefix_pins": len(self.pins),
             "prefix_pulls": len(self.pulls),
             "prefix_cache": self.cache.stats.report(),

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.prefix_index import CacheEntry, EntryIndex
 from pdserve.engine.sequence import Sequence
-from pdserve.memory import GdnCheckpointPool, KvPagePool
+from pdserve.memory import GdnCheckpointPool, HostTier, KvPagePool
 from pdserve.prefix_keys import entry_key, extend_block_keys, prefix_block_keys, root_key, tail_marker
 from pdserve.prefix_stats import PrefixStats
 
@@ -60,6 +60,7 @@ class PrefixCache:
         block_size: int,
         salt: str,
         min_entry_tokens: int | None = None,
+        host_tier_bytes: int | None = None,
     ) -> None:
         if block_size % kv_pool.page_size:
             raise ValueError(
@@ -81,7 +82,25 @@ class PrefixCache:
         # in one also checkpoints where that suffix starts, where its next turn diverges
         self.resume_suffixes: list[tuple[int, ...]] = []
         self.refused: weakref.WeakSet[Sequence] = weakref.WeakSet()  # a pull did not pay for them
+        # where evicted entries go (`configure_host_tier`); None until configured: the first
+        # eviction makes the default for the device (EngineConfig.snapshot_pool_mb's)
+        self.host: HostTier | None = None
+        self._host_bytes = host_tier_bytes
+        if host_tier_bytes is not None:
+            self.configure_host_tier(host_tier_bytes)
         self._seq_keys: weakref.WeakKeyDictionary[Sequence, _SeqKeys] = weakref.WeakKeyDictionary()
+
+    def configure_host_tier(self, budget_bytes: int) -> None:
+        """Allocate the host tier now (0: none); entries already on the host tier are dropped."""
+        for entry in [e for e in self.entries.values() if e.tier == "host"]:
+            self._drop(entry)
+        self._host_bytes = budget_bytes
+        self.host = HostTier(self.kv_pool, self.checkpoints.states, budget_bytes) if budget_bytes else None
+
+    def _host_tier(self) -> HostTier | None:
+        if self.host is None and self._host_bytes is None:
+            self.configure_host_tier((4096 if self.kv_pool.kv.is_cuda else 16) << 20)
+        return self.host
 
     # ---- keys
     def block_keys(self, token_ids: list[int]) -> list[bytes]:
@@ -136,12 +155,16 @@ class PrefixCache:
         return Lookup(None, reason, shared)
 
     def pages_to_share(self, entry: CacheEntry) -> int:
-        """Pages a restore shares (a partly filled last page is copied, not shared)."""
-        return entry.num_tokens // self.kv_pool.page_size
+        """Pages a restore shares (a partly filled last page is copied, not shared; an entry on
+        the host tier is copied whole)."""
+        return entry.num_tokens // self.kv_pool.page_size if entry.tier == "gpu" else 0
 
     def restore(self, entry: CacheEntry, seq: Sequence) -> None:
         """Start `seq` (which owns a fresh state slot and no pages) after the cached prefix; needs
-        one free page when the entry ends inside a page (copy-on-write of that page)."""
+        one free page when the entry ends inside a page (copy-on-write of that page), every page
+        of it when it is on the host tier."""
+        if entry.tier == "host":
+            return self._restore_from_host(entry, seq)
         full = self.pages_to_share(entry)
         self.kv_pool.share(entry.pages[:full])
         seq.block_table = list(entry.pages[:full])
@@ -155,6 +178,13 @@ class PrefixCache:
         entry.hits += 1
         self.stats.hit(entry.next_source, entry.num_tokens)
         entry.next_source = "gpu"
+
+    def _restore_from_host(self, entry: CacheEntry, seq: Sequence) -> None:
+        seq.block_table = self.kv_pool.allocate(len(entry.pages))
+        self.host.load(entry.pages, entry.checkpoint, seq.block_table, seq.state_slot)
+        seq.num_computed_tokens = seq.num_cached_tokens = entry.num_tokens
+        entry.hits += 1
+        self.stats.hit("host", entry.num_tokens)
 
     # ---- new entries
     def save(self, seq: Sequence, kind: str) -> bool:
@@ -201,7 +231,7 @@ class PrefixCache:
     ) -> CacheEntry:
         """An entry whose pages and checkpoint a transfer from a peer has just filled (the caller
         allocated them: the entry owns them now). Its first hit counts as a peer hit."""
-        if key in self.entries:  # raced with a local one: keep the local
+        if self._touch(key):  # raced with a local one on the device: keep that
             self.kv_pool.free(pages)
             self.checkpoints.free(checkpoint)
             return self.entries[key]
@@ -216,10 +246,15 @@ class PrefixCache:
         return self.checkpoints.reserve() if self._room_for_checkpoint("peer") else None
 
     def _touch(self, key: bytes) -> bool:
-        if key in self.entries:
+        """True when `key` is held on the device (made recent); one on the host tier is dropped:
+        the caller's fresh device copy replaces it."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.tier == "host":
+            self._drop(entry)
+            entry = None
+        if entry is not None:
             self.entries.move_to_end(key)
-            return True
-        return False
+        return entry is not None
 
     def _add(self, entry: CacheEntry) -> None:
         self.index.add(entry)
@@ -231,15 +266,17 @@ class PrefixCache:
         needed = self.checkpoints.num_used >= self.checkpoints.num_checkpoints
         if not adopting:
             needed = needed or self.checkpoints.num_free <= 0
-        return not needed or self.evict_one(only_unused=kind in LOW_VALUE_KINDS)
+        return not needed or self.evict_one(only_unused=kind in LOW_VALUE_KINDS, to_host=True)
 
     # ---- pins (a peer READing an entry) and eviction
     def pin(self, key: bytes) -> CacheEntry | None:
+        """An entry on the device, pinned for a peer's READ (None: not held there)."""
         entry = self.entries.get(key)
-        if entry is not None:
+        if entry is not None and entry.tier == "gpu":
             entry.pins += 1
             self.entries.move_to_end(key)
-        return entry
+            return entry
+        return None
 
     def unpin(self, entry: CacheEntry) -> None:
         entry.pins -= 1
@@ -248,26 +285,49 @@ class PrefixCache:
 
     @property
     def num_pages(self) -> int:
-        """Distinct KV pages the cache holds a reference to."""
-        return len({p for entry in self.entries.values() for p in entry.pages})
+        """Distinct device KV pages the cache holds a reference to."""
+        return len({p for e in self.entries.values() if e.tier == "gpu" for p in e.pages})
 
-    def evict_one(self, keep: CacheEntry | None = None, only_unused: bool = False) -> bool:
-        """Drop one entry other than `keep` (the one a request is about to restore) and pinned
-        ones (`EntryIndex.victim`); False when none can go."""
+    def evict_one(
+        self, keep: CacheEntry | None = None, only_unused: bool = False, to_host: bool = False
+    ) -> bool:
+        """Take one entry other than `keep` (the one a request is about to restore) and pinned
+        ones (`EntryIndex.victim`) off the device: dropped, or (`to_host`: memory pressure) moved
+        to the host tier when it has room; False when none can go."""
         victim = self.index.victim(keep, only_unused)
         if victim is None:
             return False
-        self._drop(victim)
+        if not (to_host and self._demote(victim, keep)):
+            self._drop(victim)
         self.stats.evicted += 1
+        return True
+
+    def _demote(self, entry: CacheEntry, keep: CacheEntry | None) -> bool:
+        """Move a device entry to the host tier (making room there, least valuable first)."""
+        host = self._host_tier()
+        if host is None or len(entry.pages) > host.num_pages:
+            return False
+        while not host.fits(len(entry.pages)):
+            victim = self.index.victim(keep, only_unused=False, tier="host")
+            if victim is None:
+                return False
+            self._drop(victim)
+        host_pages, host_ck = host.store(entry.pages, entry.checkpoint)
+        self.kv_pool.free(entry.pages)
+        self.checkpoints.free(entry.checkpoint)
+        entry.pages, entry.checkpoint, entry.tier = host_pages, host_ck, "host"
         return True
 
     def _drop(self, entry: CacheEntry) -> None:
         self.index.remove(entry)
         self.version += 1
+        if entry.tier == "host":
+            self.host.free(entry.pages, entry.checkpoint)
+            return
         self.kv_pool.free(entry.pages)
         self.checkpoints.free(entry.checkpoint)
 
     def clear(self) -> None:
-        """Drop every entry not pinned by a peer."""
+        """Drop every entry not pinned by a peer (the host tier's too)."""
         for entry in [e for e in self.entries.values() if e.pins == 0]:
             self._drop(entry)

@@ -29,6 +29,7 @@ class CacheEntry:
     hits: int = 0
     pins: int = 0  # peers reading it right now: not evictable
     next_source: str = "gpu"  # what its next hit counts as ("peer" right after a pull)
+    tier: str = "gpu"  # "host": evicted to the host tier (`pages`, `checkpoint` are host ids)
 
 
 class EntryIndex:
@@ -94,10 +95,10 @@ class EntryIndex:
     def was_evicted(self, keys: list[bytes]) -> bool:
         return any(key in self.evicted for key in keys)
 
-    def victim(self, keep: CacheEntry | None, only_unused: bool) -> CacheEntry | None:
-        """Who goes next: among the older half of the entries (but `keep` and pinned ones), the
-        one reused least, then the oldest; `only_unused`: only an entry never reused."""
-        candidates = [e for e in self.entries.values() if e is not keep and e.pins == 0]
+    def victim(self, keep: CacheEntry | None, only_unused: bool, tier: str = "gpu") -> CacheEntry | None:
+        """Who goes next from `tier`: among the older half of its entries (but `keep` and pinned
+        ones), the one reused least, then the oldest; `only_unused`: only one never reused."""
+        candidates = [e for e in self.entries.values() if e.tier == tier and e is not keep and e.pins == 0]
         if only_unused:
             candidates = [e for e in candidates if e.hits == 0]
         if not candidates:

@@ -174,14 +174,14 @@ class Scheduler:
         """True once a state slot is free, evicting a checkpoint entry (but `keep`) if need be."""
         cache = self.prefix_cache
         while self.state_pool.num_free == 0 and cache is not None and cache.checkpoints.num_used:
-            if not cache.evict_one(keep):
+            if not cache.evict_one(keep, to_host=True):
                 break
         return self.state_pool.num_free > 0
 
     def _make_room(self, pages: int, keep: CacheEntry | None = None) -> bool:
         """True once `pages` pages are free, evicting prefix-cache entries (but `keep`) if need be."""
         cache = self.prefix_cache
-        while pages > self.kv_pool.num_free and cache is not None and cache.evict_one(keep):
+        while pages > self.kv_pool.num_free and cache is not None and cache.evict_one(keep, to_host=True):
             pass
         return pages <= self.kv_pool.num_free
 

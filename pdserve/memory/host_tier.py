@@ -1,0 +1,92 @@
+"""The prefix cache's host tier: pinned host memory, allocated at start, for the checkpoints and
+KV pages of entries evicted from the device (`--snapshot-pool-mb`).
+
+Two pools in the state and KV pools' own layouts, so an entry moves with one copy per page and
+one per state tensor: `conv` [layers, checkpoints, ...], `recurrent` [layers, checkpoints, ...],
+`kv` [layers, 2, pages, page_size, Hkv, D]. The budget is split between checkpoints and pages
+in proportion to what one entry of `typical_tokens` tokens needs.
+
+Copies are stream-ordered: on a GPU they go out (device -> pinned host) and come back (pinned
+host -> device) with `non_blocking=True` on the engine's stream, after the passes that wrote
+the memory and before those that read it again, so the host thread never waits on them; on a
+CPU they are plain copies (the same code path, with a small pool).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.memory.kv_pool import KvPagePool
+from pdserve.memory.state_pool import GdnStatePool
+
+
+class HostTier:
+    def __init__(
+        self, kv_pool: KvPagePool, states: GdnStatePool, budget_bytes: int, typical_tokens: int = 2048
+    ) -> None:
+        self.kv_pool, self.states = kv_pool, states
+        ck_bytes = _unit_bytes(states.conv, 1) + _unit_bytes(states.recurrent, 1)
+        page_bytes = _unit_bytes(kv_pool.kv, 2)
+        per_entry = ck_bytes + kv_pool.pages_for(typical_tokens) * page_bytes
+        entries = budget_bytes // per_entry
+        if entries < 1:
+            raise ValueError(f"a host tier of {budget_bytes} bytes holds no entry ({per_entry} bytes each)")
+        num_checkpoints = entries
+        num_pages = (budget_bytes - num_checkpoints * ck_bytes) // page_bytes
+        pin = kv_pool.kv.is_cuda
+        self.conv = _like(states.conv, 1, num_checkpoints, pin)
+        self.recurrent = _like(states.recurrent, 1, num_checkpoints, pin)
+        self.kv = _like(kv_pool.kv, 2, num_pages, pin)
+        self.num_checkpoints, self.num_pages = num_checkpoints, num_pages
+        self._free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes + self.kv.nbytes
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_free_checkpoints(self) -> int:
+        return len(self._free_checkpoints)
+
+    def fits(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free_pages) and bool(self._free_checkpoints)
+
+    def store(self, pages: list[int], slot: int) -> tuple[list[int], int]:
+        """Copy device pages `pages` and state slot `slot` out; their host ids (`fits` first)."""
+        host_pages = [self._free_pages.pop() for _ in pages]
+        host_ck = self._free_checkpoints.pop()
+        pinned = self.kv.is_pinned()
+        for page, host in zip(pages, host_pages, strict=True):
+            self.kv[:, :, host].copy_(self.kv_pool.kv[:, :, page], non_blocking=pinned)
+        self.conv[:, host_ck].copy_(self.states.conv[:, slot], non_blocking=pinned)
+        self.recurrent[:, host_ck].copy_(self.states.recurrent[:, slot], non_blocking=pinned)
+        return host_pages, host_ck
+
+    def load(self, host_pages: list[int], host_ck: int, pages: list[int], slot: int) -> None:
+        """Copy an entry back into device pages `pages` and state slot `slot`."""
+        pinned = self.kv.is_pinned()
+        for host, page in zip(host_pages, pages, strict=True):
+            self.kv_pool.kv[:, :, page].copy_(self.kv[:, :, host], non_blocking=pinned)
+        self.states.conv[:, slot].copy_(self.conv[:, host_ck], non_blocking=pinned)
+        self.states.recurrent[:, slot].copy_(self.recurrent[:, host_ck], non_blocking=pinned)
+
+    def free(self, host_pages: list[int], host_ck: int) -> None:
+        if host_ck in self._free_checkpoints:
+            raise RuntimeError(f"host checkpoint {host_ck} freed twice")
+        self._free_pages.extend(host_pages)
+        self._free_checkpoints.append(host_ck)
+
+
+def _unit_bytes(pool: torch.Tensor, unit_dim: int) -> int:
+    """Bytes of one unit (a slot, a page) of `pool` across every leading index."""
+    return pool.numel() // pool.shape[unit_dim] * pool.element_size()
+
+
+def _like(pool: torch.Tensor, unit_dim: int, units: int, pin: bool) -> torch.Tensor:
+    shape = (*pool.shape[:unit_dim], units, *pool.shape[unit_dim + 1 :])
+    return torch.empty(shape, dtype=pool.dtype, device="cpu", pin_memory=pin)

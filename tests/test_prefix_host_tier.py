@@ -1,0 +1,84 @@
+"""The prefix cache's host tier (issue 9, acceptance 1 and 3, on a CPU: the same code path as a
+GPU's pinned pool): entries evicted from the device are copied to the host tier and restored
+from it; a hit from there equals no cache, alone and packed; a workload reusing four times what
+the device holds still hits; a clear leaves every pool at its idle figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from tests.helpers import assert_no_leaks, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+DEVICE_CHECKPOINTS = 3
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir) -> LLM:
+    return LLM(
+        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512, enable_prefix_caching=False
+    )
+
+
+@pytest.fixture(scope="module")
+def tiered(tiny_model_dir) -> LLM:
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=512,
+        num_prefix_checkpoints=DEVICE_CHECKPOINTS,
+    )
+    llm.engine.prefix_cache.configure_host_tier(64 << 20)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def idle_after(tiered: LLM):
+    yield
+    cache = tiered.engine.prefix_cache
+    cache.clear()
+    assert_no_leaks(tiered.engine)
+    host = cache.host
+    assert (host.num_free_pages, host.num_free_checkpoints) == (host.num_pages, host.num_checkpoints)
+
+
+def test_host_hit_equals_no_cache_alone_and_packed(tiered: LLM, plain: LLM) -> None:
+    cache = tiered.engine.prefix_cache
+    firsts = random_prompts((140, 150, 160, 170, 180), seed=51)
+    more = random_prompts((20, 25), seed=52)
+    for prompt in firsts:  # each leaves two entries: the device holds three, the rest go to the host
+        tiered.generate(prompt, GREEDY)
+    assert any(e.tier == "host" for e in cache.entries.values())
+    (oldest,) = [e for e in cache.entries.values() if e.kind == "end" and e.num_tokens == 140]
+    assert oldest.tier == "host"
+    turns = [firsts[0] + more[0], firsts[1] + more[1]]  # both continue a prompt now on the host
+    expected = [o.token_ids for o in plain.generate(turns, GREEDY)]
+    before = cache.stats.hit_tokens["host"]
+    alone = tiered.generate(turns[0], GREEDY)[0]
+    assert alone.num_cached_tokens == 140 and alone.token_ids == expected[0]
+    packed = tiered.generate([turns[1], turns[0] + more[1]], GREEDY)
+    assert packed[0].num_cached_tokens == 150 and packed[0].token_ids == expected[1]
+    assert cache.stats.hit_tokens["host"] - before >= 290
+
+
+def test_four_times_the_device_cache_still_hits(tiered: LLM) -> None:
+    """Conversations whose previous turns need four times the device's checkpoints: every
+    turn after the first reuses >= 90% of its previous prompt + answer, through the host tier."""
+    cache = tiered.engine.prefix_cache
+    conversations = random_prompts([100 + 3 * i for i in range(4 * DEVICE_CHECKPOINTS)], seed=53)
+    host_before = cache.stats.hit_tokens["host"]
+    reused = reusable = 0
+    previous: list[int] = []  # each conversation's last prompt + answer, in tokens
+    for turn in range(3):
+        outs = tiered.generate(conversations, GREEDY)
+        if previous:
+            reused += sum(o.num_cached_tokens for o in outs)
+            reusable += sum(previous)
+        messages = random_prompts([10] * len(conversations), seed=60 + turn)
+        previous = [len(c) + len(o.token_ids) for c, o in zip(conversations, outs, strict=True)]
+        conversations = [c + o.token_ids + m for c, o, m in zip(conversations, outs, messages, strict=True)]
+    assert reused >= 0.9 * reusable, f"{reused} of {reusable} reusable tokens"
+    from_host = cache.stats.hit_tokens["host"] - host_before
+    assert from_host >= 0.6 * reused, f"only {from_host} of {reused} from the host tier"
