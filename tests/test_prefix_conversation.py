@@ -156,6 +156,7 @@ def test_pools_idle_after_a_cache_clear(stack: Stack) -> None:
             if load["free_kv_pages"] != load["kv_pages"]
             or load["free_state_slots"] != load["state_slots"]
             or load.get("prefix_checkpoints")
+            or load.get("prefix_host_entries")
             or load.get("prefix_pins")
             or load.get("prefix_pulls")
         }
