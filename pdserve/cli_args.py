@@ -31,6 +31,7 @@ ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--max-model-len": ("max_model_len", int),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
+    "--snapshot-pool-mb": ("snapshot_pool_mb", int),
 }
 # on/off flags (`--x` / `--no-x`; unset: the EngineConfig default) -> EngineConfig field
 ENGINE_SWITCHES: dict[str, str] = {
@@ -48,6 +49,8 @@ _HELP = {
     "--max-model-len": "longest prompt + output, in tokens",
     "--max-num-batched-tokens": "most tokens in one engine step",
     "--gpu-memory-utilization": "share of GPU memory the process may use, in (0, 1]",
+    "--snapshot-pool-mb": "pinned host memory for prefix-cache entries evicted from the device "
+    "(default 4096 on GPU, 16 on CPU; 0: none)",
 }
 
 

@@ -25,6 +25,9 @@ TURNS = 6
 # answers long enough that pulling their state beats recomputing it on a CPU (the cost model
 # measures both: a 12-token answer is cheaper to recompute here, and is)
 ANSWER_TOKENS = 32
+# an instance publishes its entries with its heartbeat (1 s, pdserve.serving): a next turn
+# sooner than that is routed by what the router saw before (left: publish on change)
+PUBLISHED_S = 1.3
 GREEDY = {"max_tokens": ANSWER_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
 SHORT = {**GREEDY, "max_tokens": 12}
 
@@ -79,6 +82,7 @@ def test_conversation_reuses_every_previous_answer(stack: Stack, offline: LLM) -
         previous = len(prompt) + ANSWER_TOKENS
         if turn + 1 < TURNS:
             prompt = prompt + expected[0].token_ids + messages[turn + 1]
+            time.sleep(PUBLISHED_S)  # the decode instance publishes its new entry with its heartbeat
     assert metric(stack, "pdserve:prefix_pull_hints_total") - pulls_before >= TURNS - 1
     loads = asyncio.run(instance_loads(stack))
     peer = sum(

@@ -56,7 +56,11 @@ class LLMEngine:
         if config.enable_prefix_caching:
             checkpoints = GdnCheckpointPool(self.runner.state_pool, config.num_prefix_checkpoints)
             self.prefix_cache = PrefixCache(
-                self.runner.kv_pool, checkpoints, config.prefix_block_size, config.model_config.identity()
+                self.runner.kv_pool,
+                checkpoints,
+                config.prefix_block_size,
+                config.model_config.identity(),
+                host_tier_bytes=config.snapshot_pool_mb << 20,  # allocated now, not at the first eviction
             )
         self.scheduler = Scheduler(
             self.runner.kv_pool,
