@@ -91,7 +91,10 @@ class PrefixCache:
         self._seq_keys: weakref.WeakKeyDictionary[Sequence, _SeqKeys] = weakref.WeakKeyDictionary()
 
     def configure_host_tier(self, budget_bytes: int) -> None:
-        """Allocate the host tier now (0: none); entries already on the host tier are dropped."""
+        """Allocate the host tier now (0: none); entries already on the host tier are dropped.
+        The same budget again keeps the tier as it is (pinned memory is not given back)."""
+        if budget_bytes == self._host_bytes and (self.host is not None or not budget_bytes):
+            return
         for entry in [e for e in self.entries.values() if e.tier == "host"]:
             self._drop(entry)
         self._host_bytes = budget_bytes
