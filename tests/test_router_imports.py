@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import compileall
 import importlib.metadata
 import os
 import re
@@ -43,7 +44,10 @@ REQUIREMENTS = ROOT / "deploy" / "router-requirements.txt"
 # time of an idle machine) on a shared 2-core machine: median 1.58 s over 6 starts (1.50-2.30), so
 # ~0.4 s (20%) of margin for a CI machine busy with pytest itself. (2.3-3.1 s wall before the
 # prompt-length bound's vocabulary pass, 0.2-0.3 s, left start-up.) The failure message gives the CPU
-# seconds too: a wall time far above them means other processes held the cores.
+# seconds too: a wall time far above them means other processes held the cores. The modules'
+# bytecode must be there, as `pip install .` leaves it in the image (.ci/install compiles it):
+# compiling pdserve and the router from source adds ~0.3 s to every start where
+# PYTHONDONTWRITEBYTECODE is set (CI's 1.87-2.26 CPU s on 2026-12-01; 1.4-1.7 s with bytecode).
 STARTUP_LIMIT_S = 2.0
 ROUTER_MODULES = ("router.server", "pdserve.cli", "pdserve.rpc")
 
@@ -192,6 +196,8 @@ def test_router_starts_fast_and_serves_without_torch(
     tiny_model_dir: Path, redis: RedisServer, tmp_path: Path
 ) -> None:
     """Start-up: the best of up to 3 starts (other processes share the CI machine's 2 cores)."""
+    for package in ("pdserve", "router"):  # the bytecode an installed package has
+        assert compileall.compile_dir(ROOT / package, quiet=1, workers=0), f"{package} did not compile"
     secret = tmp_path / "internal-secret"
     secret.write_text("x" * 32)
     secret.chmod(0o600)
