@@ -53,7 +53,8 @@ from router.errors import OpenAIError
 from router.generation import Generations
 from router.metrics import RouterMetrics
 from router.prompt_chars import max_chars_per_token_async
-from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_ids
+from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from router.request_fields import check_token_ids
 from router.responses import ChatFormat, CompletionFormat, ResponseFormat
 from router.tools import resolve_tools
 

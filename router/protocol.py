@@ -11,15 +11,11 @@ Structured output (response_format, structured_outputs, guided_*, and chat's too
 "required" or a named function) becomes SamplingParams.structured_outputs (router.structured);
 logit_bias's keys become token ids, checked against the vocabulary like allowed_token_ids.
 
-Integers: every one a request carries is range-checked here, before anything is encoded (the
-disaggregated backend sends requests as msgpack, which stops at 64 bits): `Int64` at parse time
-(a 400 naming the field), then the semantic range: top_k -1, 0 (off) or at most the vocabulary,
-token ids (prompt, stop_token_ids) in the vocabulary, seed int64 (OpenAI's range; choice j of n
-gets `choice_seed(seed, j)`, wrapped within int64), the counts by SamplingParams.
-
-Strings must be valid Unicode: JSON can smuggle in a lone surrogate ("\\ud800"), which the
-tokenizer and the UTF-8 encoder of every answer choke on, so such a body is a 400. Token ids
-(prompt, stop_token_ids) must lie in the tokenizer's vocabulary (`check_token_ids`).
+Integers: every one a request carries is range-checked here, before anything is encoded: `Int64`
+at parse time (router.request_fields), then the semantic range: top_k -1, 0 (off) or at most the
+vocabulary, token ids (prompt, stop_token_ids, logit_bias, allowed_token_ids) in the vocabulary
+(`check_token_ids`), seed int64 (OpenAI's range), the counts by SamplingParams. Strings must be
+valid Unicode (`lone_surrogate_at`: a lone surrogate is a 400).
 
 max_tokens (like vLLM): chat defaults to the room left in the context, completions to 16 (an
 explicit null: the room); asking for more than the room, or a prompt that leaves no room, is a 400.
@@ -27,22 +23,22 @@ explicit null: the room); asking for more than the room, or a prompt that leaves
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Any, ClassVar
+from typing import Any, ClassVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from pdserve.sampling.params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from pdserve.sampling.params import MAX_LOGPROBS, SamplingParams
 from router.chat_output import ChatParsingConfig
 from router.errors import OpenAIError
+from router.request_fields import (
+    Content,
+    Int64,
+    Prompt,
+    Stop,
+    StreamOptions,
+    check_token_ids,
+    lone_surrogate_at,
+)
 from router.structured import (
     guided_specs,
     one_spec,
@@ -58,83 +54,12 @@ _OPTIONAL_SAMPLING = (  # None: SamplingParams' default
     "temperature", "top_p", "top_k", "min_p", "seed",
     "presence_penalty", "frequency_penalty", "repetition_penalty",
 )  # fmt: skip
-_SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, a surrogate left in a str is a lone one
 FLOAT32_MIN_NORMAL = 2.0**-126  # the sampler works in float32: a smaller top_p would round to 0
 _PASSED_ON = (
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
     "prompt_logprobs", "allowed_token_ids",
 )  # fmt: skip
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-
-
-def choice_seed(seed: int, choice: int) -> int:
-    """The seed of choice `choice` of a seeded request: seed + choice, wrapped within int64."""
-    return (seed + choice - INT64_MIN) % 2**64 + INT64_MIN
-
-
-def lone_surrogate_at(data: Any) -> str | None:
-    """Where (as "messages.0.content") a string or key of JSON data holds a lone surrogate, or None.
-
-    Iterative: the data may be nested as deep as the JSON parser allows."""
-    stack: list[tuple[tuple, Any]] = [((), data)]
-    while stack:
-        where, value = stack.pop()
-        if not isinstance(value, dict | list):
-            continue
-        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-            if _lone_surrogate(key) or _lone_surrogate(item):
-                return ".".join(map(str, (*where, key))).encode("utf-8", "backslashreplace").decode()
-            if isinstance(item, dict | list):
-                stack.append(((*where, key), item))
-    return None
-
-
-def _lone_surrogate(value: object) -> bool:
-    # isascii() first: a C scan, far faster than the regex on a long prompt (most are ASCII)
-    return isinstance(value, str) and not value.isascii() and _SURROGATE.search(value) is not None
-
-
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    """A 400 unless every id is in [0, vocab_size): the router decodes them and the sampler
-    indexes its logits with them, and an id beyond int64 overflows either."""
-    if bad := [t for t in ids if not 0 <= t < vocab_size]:
-        raise OpenAIError(
-            f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param
-        )
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-
-def _one_of(description: str) -> WrapValidator:
-    """For a union field: one readable error instead of one per member of the union."""
-
-    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError(f"must be {description}") from None
-
-    return WrapValidator(check)
-
-
-Stop = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
-Prompt = Annotated[
-    str | list[int] | list[str] | list[list[int]],
-    _one_of("a string, a list of token ids, a list of strings or a list of token-id lists"),
-]
-Content = Annotated[str | list[ContentPart] | None, _one_of("a string or a list of content parts")]
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
-    include_usage: bool = False
 
 
 class OpenAIRequest(BaseModel):

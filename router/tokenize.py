@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from router.errors import OpenAIError
-from router.protocol import ChatCompletionRequest, ChatMessage, check_token_ids, lone_surrogate_at
+from router.protocol import ChatCompletionRequest, ChatMessage
+from router.request_fields import check_token_ids, lone_surrogate_at
 from router.tools import ChatTool
 
 if TYPE_CHECKING:
