@@ -13,17 +13,19 @@ if TYPE_CHECKING:
 
 
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
-    """Penalised fp32 `logits` [B, V]. Repetition divides the positive logits of tokens seen in the
-    prompt or output and multiplies the negative ones; then logit -= frequency * count + presence * seen
-    over the output tokens (OpenAI's formula)."""
-    if t.penalties is None or t.output_counts is None:
+    """Penalised fp32 `logits` [B, V] (only `t.penalty_rows` change). Repetition divides the
+    positive logits of tokens seen in the prompt or output and multiplies the negative ones; then
+    logit -= frequency * count + presence * seen over the output tokens (OpenAI's formula)."""
+    if t.penalties is None or t.output_counts is None or t.penalty_rows is None:
         return logits
+    rows = logits.index_select(0, t.penalty_rows)
     repetition, presence, frequency = (p.unsqueeze(1) for p in t.penalties.unbind(1))
     seen_in_output = t.output_counts > 0
     if t.prompt_mask is not None:
-        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(t.prompt_mask | seen_in_output, penalised, logits)
-    return logits - frequency * t.output_counts - presence * seen_in_output
+        penalised = torch.where(rows > 0, rows / repetition, rows * repetition)
+        rows = torch.where(t.prompt_mask | seen_in_output, penalised, rows)
+    rows = rows - frequency * t.output_counts - presence * seen_in_output
+    return logits.index_copy(0, t.penalty_rows, rows)
 
 
 def apply_top_k_top_p(

@@ -111,17 +111,18 @@ class SamplingState:
 def _token_histograms(
     requests: Sequence[SamplingState], vocab_size: int, device: torch.device, with_prompt: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """[B, V] fp32 counts of each output token, and (if asked) a [B, V] bool mask of prompt tokens.
+    """[R, V] fp32 counts of each output token of the R penalised `requests`, and (if asked) an
+    [R, V] bool mask of their prompt tokens.
 
     The output lists grow every step, so they go over as one flat array of row * V + token
     (numpy reads the lists several times faster than torch.tensor reads nested ones); prompts
-    are copied to the device once per request and padded with the id V, an extra column. Rows
-    holding a PENDING token never have penalties (they would not have run ahead)."""
+    are copied to the device once per request and padded with the id V, an extra column. A
+    penalised request never holds a PENDING token: a step with one does not run ahead
+    (pdserve.engine.run_ahead), so every token counted here is known."""
     outputs = [r.output_token_ids for r in requests]
     lengths = [len(o) for o in outputs]
     tokens = np.fromiter(itertools.chain.from_iterable(outputs), dtype=np.int64, count=sum(lengths))
     flat = np.repeat(np.arange(len(outputs), dtype=np.int64) * vocab_size, lengths) + tokens
-    flat = flat[tokens >= 0]  # a token still on the device (pdserve.engine.run_ahead) counts for no one
     counts = torch.zeros(len(requests) * vocab_size, device=device)
     flat_index = torch.from_numpy(flat).to(device)
     counts = counts.index_add_(0, flat_index, torch.ones_like(flat_index, dtype=counts.dtype))
@@ -158,9 +159,12 @@ class SamplingTensors:
     max_top_k: int  # the largest k of the sampled rows (V when one of them has top-k off)
     top_p: Tensor | None  # [B] fp32; 1.0 where off
     min_p: Tensor | None  # [B] fp32; 0.0 where off
-    penalties: Tensor | None  # [B, 3] fp32: repetition, presence, frequency
-    output_counts: Tensor | None  # [B, V] fp32: occurrences of each token in the output
-    prompt_mask: Tensor | None  # [B, V] bool: tokens present in the prompt
+    # penalties: only the R rows that ask for one (a batch of 32 with one penalised request
+    # counts one row's tokens, not 32 x V)
+    penalty_rows: Tensor | None  # [R] int64: the rows with a penalty
+    penalties: Tensor | None  # [R, 3] fp32: repetition, presence, frequency
+    output_counts: Tensor | None  # [R, V] fp32: occurrences of each token in the output
+    prompt_mask: Tensor | None  # [R, V] bool: tokens present in the prompt
     blocked: tuple[Tensor, Tensor] | None  # (rows, token ids) masked to -inf for min_tokens
     seeded: list[tuple[int, torch.Generator]]  # non-greedy rows with their own generator
     max_num_logprobs: int | None  # largest `logprobs` asked for; None when no row asks
@@ -183,11 +187,12 @@ class SamplingTensors:
         top_p = [1.0 if p.greedy else p.top_p for p in ps]
         min_p = [0.0 if p.greedy else p.min_p for p in ps]
         penalties = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in ps]
-        use_penalties = any(pen != (1.0, 0.0, 0.0) for pen in penalties)
+        rows = [i for i, pen in enumerate(penalties) if pen != (1.0, 0.0, 0.0)]
         counts = prompt_mask = None
-        if use_penalties:
-            with_prompt = any(p.repetition_penalty != 1.0 for p in ps)
-            counts, prompt_mask = _token_histograms(requests, vocab_size, device, with_prompt)
+        if rows:
+            with_prompt = any(ps[i].repetition_penalty != 1.0 for i in rows)
+            penalised = [requests[i] for i in rows]
+            counts, prompt_mask = _token_histograms(penalised, vocab_size, device, with_prompt)
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(
             temperature=column([1.0 if p.greedy else p.temperature for p in ps], torch.float32),
@@ -200,7 +205,8 @@ class SamplingTensors:
             if min(top_p, default=1.0) < 1.0
             else None,
             min_p=column(min_p, torch.float32) if max(min_p, default=0.0) > 0.0 else None,
-            penalties=column(penalties, torch.float32) if use_penalties else None,
+            penalty_rows=column(rows, torch.long) if rows else None,
+            penalties=column([penalties[i] for i in rows], torch.float32) if rows else None,
             output_counts=counts,
             prompt_mask=prompt_mask,
             blocked=_blocked_tokens(requests, vocab_size, device),
