@@ -29,11 +29,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from decode_svc.peers import PeerDirectory
-from kvtransfer import TransferHandle, TransferState
+from kvtransfer import TransferHandle
 from kvtransfer.payload import pool_units
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import DecodeEvent, DecodeStart, LeaseRelease
+from pdserve.peer_reads import PeerReads
 from pdserve.prefix_sharing import PrefixSharing
 from pdserve.rpc import RpcError
 from pdserve.sampling.params import SamplingParams
@@ -49,8 +50,8 @@ class Incoming:
     start: DecodeStart
     seq: Sequence
     peer: str
-    handle: TransferHandle | None = None
-    confirming: bool = False
+    reading: bool = False  # its READ started (`PeerReads`); then its lease check
+    handle: TransferHandle | None = None  # the READ, once done
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -60,6 +61,7 @@ class DecodeService(ServiceRole):
         self.incoming: dict[str, Incoming] = {}  # engine thread; insertion order = arrival order
         self.streams: dict[str, asyncio.Queue] = {}
         self.peers = PeerDirectory(host)
+        self.reads = PeerReads(host, self.peers)  # READ, release the lease; a failed peer forgotten
         self.sharing = PrefixSharing.of(host)  # what this decode instance's cache gives to peers
 
     def load(self) -> dict:
@@ -110,23 +112,9 @@ class DecodeService(ServiceRole):
 
     def tick(self) -> bool:
         for rid, inc in list(self.incoming.items()):
-            if inc.handle is None:
-                if not self._pull(rid, inc):
-                    break  # first come, first served: later requests wait behind one that does not fit
-                if inc.handle is None:  # it failed
-                    continue
-            if inc.confirming:
-                continue
-            state = self.agent.poll(inc.handle)
-            if state is TransferState.TRANSFERRING:
-                continue
-            self.agent.release(inc.handle)
-            if state is TransferState.FAILED:
-                self.peers.forget(inc.peer)
-                self._fail(rid, f"state transfer from {inc.start.lease.agent} failed: {inc.handle.error}")
-                continue
-            inc.confirming = True
-            asyncio.run_coroutine_threadsafe(self._confirm(rid, inc), self._loop)
+            if not inc.reading and not self._pull(rid, inc):
+                break  # first come, first served: later requests wait behind one that does not fit
+        self.reads.tick()
         return bool(self.incoming)
 
     def _pull(self, rid: str, inc: Incoming) -> bool:
@@ -139,28 +127,32 @@ class DecodeService(ServiceRole):
                 )
                 return True
             return False
-        try:
-            local_units = pool_units(inc.seq.block_table, inc.seq.state_slot)
-            inc.handle = self.agent.pull(
-                inc.peer, rid, pool_units(lease.kv_pages, lease.state_slot), local_units
-            )
-        except Exception as e:  # a bad lease or a peer gone: this request only
-            self.peers.forget(inc.peer)
-            self._fail(rid, f"cannot pull the state of {rid}: {e}")
+        inc.reading = True
+        self.reads.start(
+            rid,
+            lease.agent,
+            inc.peer,
+            pool_units(lease.kv_pages, lease.state_slot),
+            pool_units(inc.seq.block_table, inc.seq.state_slot),
+            on_done=lambda handle: self._confirm(rid, inc, handle),
+            on_failed=lambda why: self._fail(rid, f"state transfer of {rid} from {lease.agent}: {why}"),
+        )
         return True
 
-    async def _confirm(self, rid: str, inc: Incoming) -> None:
+    def _confirm(self, rid: str, inc: Incoming, handle: TransferHandle) -> None:
         """After the READ: release the lease on the prefill instance; use the state only if the
         lease was still held (the memory read was the request's own)."""
+        inc.handle = handle
         lease = inc.start.lease
-        try:
-            answer = await self.peers.client(lease.agent).unary(
-                "release", LeaseRelease(rid, lease.lease_id, pulled=True).to_wire(), timeout=5.0
-            )
-            intact, why = answer.get("intact") is True, "its lease had expired or was released"
-        except (RpcError, LookupError) as e:
-            intact, why = False, f"its holder could not confirm the lease: {e}"
-        self.thread.post(self._start, rid, inc, intact, why)
+
+        def confirmed(answer: dict | None, why: str) -> None:
+            if answer is None:
+                self._start(rid, inc, False, f"its holder could not confirm the lease: {why}")
+            else:
+                self._start(rid, inc, answer.get("intact") is True, "its lease had expired or was released")
+
+        release = LeaseRelease(rid, lease.lease_id, pulled=True).to_wire()
+        self.reads.let_go(lease.agent, "release", release, then=confirmed)
 
     def _start(self, rid: str, inc: Incoming, intact: bool, why: str) -> None:
         if self.incoming.get(rid) is not inc:  # cancelled meanwhile
@@ -180,9 +172,8 @@ class DecodeService(ServiceRole):
         self._post(rid, {"error": message, "code": code})
 
     def _cancel(self, rid: str) -> None:
-        inc = self.incoming.pop(rid, None)
-        if inc is not None and inc.handle is not None and not inc.confirming:
-            self.agent.release(inc.handle)
+        self.incoming.pop(rid, None)
+        self.reads.cancel(rid)  # a READ in flight (one confirming its lease ends unused)
         self.engine.abort(rid)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -25,11 +25,12 @@ import weakref
 from dataclasses import dataclass, field
 
 from decode_svc.peers import PeerDirectory
-from kvtransfer import TransferHandle, TransferState, pool_units
+from kvtransfer import TransferHandle, pool_units
 from pdserve.engine.prefix_cache import CacheEntry
 from pdserve.engine.resume_points import resume_suffix
 from pdserve.engine.sequence import Sequence
 from pdserve.memory import KvPagePool
+from pdserve.peer_reads import PeerReads
 from pdserve.rpc import RpcError
 from pdserve.serving import EngineHost, ServiceRole
 
@@ -58,7 +59,6 @@ class Pull:
     pin_id: str | None = None
     pages: list[int] = field(default_factory=list)
     checkpoint: int | None = None
-    handle: TransferHandle | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -77,6 +77,7 @@ class PrefixSharing(ServiceRole):
         self.pins: dict[str, Pin] = {}
         self.pulls: dict[str, Pull] = {}  # by request id
         self.peers = PeerDirectory(host, roles=("decode", "prefill"))
+        self.reads = PeerReads(host, self.peers)  # READ, unpin on the holder; a failed peer forgotten
         self.link_bytes_per_s = float(LINK_PRIOR[self.agent.mem_type])
         self.overhead_s = PULL_OVERHEAD_S  # a pull's time beyond its bytes: measured, averaged
         if self.cache is not None:  # the host tier, allocated now rather than at the first eviction
@@ -216,16 +217,15 @@ class PrefixSharing(ServiceRole):
         if checkpoint is None:
             return self._give_up(pull, "no checkpoint free for the pulled prefix")
         pull.checkpoint, pull.pages = checkpoint, kv.allocate(len(remote_pages))
-        try:
-            pull.handle = self.agent.pull(
-                peer,
-                f"prefix-{pull.seq.request_id}",
-                pool_units(remote_pages, answer["checkpoint"]),
-                pool_units(pull.pages, pull.checkpoint),
-            )
-        except Exception as e:  # a bad answer or a peer gone: this pull only
-            self.peers.forget(pull.agent)
-            self._give_up(pull, f"cannot start the READ: {e}")
+        self.reads.start(
+            f"prefix-{pull.seq.request_id}",
+            pull.agent,
+            peer,
+            pool_units(remote_pages, answer.get("checkpoint")),
+            pool_units(pull.pages, pull.checkpoint),
+            on_done=lambda handle: self._pulled(pull, handle),
+            on_failed=lambda why: self._give_up(pull, why),
+        )
 
     def tick(self) -> bool:
         now = time.monotonic()
@@ -234,34 +234,28 @@ class PrefixSharing(ServiceRole):
             self._unpin(pin_id)
         if self.pins:  # a peer's READ completes only as our worker progresses
             self.agent.take_done_notifications()
-        for pull in [p for p in self.pulls.values() if p.handle is not None]:
-            state = self.agent.poll(pull.handle)
-            if state is TransferState.TRANSFERRING:
-                continue
-            self.agent.release(pull.handle)
-            if state is TransferState.FAILED:
-                self.peers.forget(pull.agent)
-                self._give_up(pull, f"the READ failed: {pull.handle.error}")
-                continue
-            self.cache.insert_pulled(
-                pull.key, pull.parent, pull.tail, pull.block_keys, pull.pages, pull.checkpoint
-            )
-            self.cache.stats.pulls["done"] += 1
-            self.cache.stats.pull_bytes += pull.handle.nbytes
-            took = time.monotonic() - pull.started
-            beyond = max(0.0, took - pull.handle.nbytes / self.link_bytes_per_s)
-            self.overhead_s = 0.7 * self.overhead_s + 0.3 * beyond
-            log.info(
-                "pulled %d cached tokens from %s for %s: %d bytes, %.1f ms in all",
-                pull.num_tokens,
-                pull.agent,
-                pull.seq.request_id,
-                pull.handle.nbytes,
-                1e3 * took,
-            )
-            pull.pages, pull.checkpoint = [], None
-            self._done(pull)
+        self.reads.tick()
         return bool(self.pulls or self.pins)
+
+    def _pulled(self, pull: Pull, handle: TransferHandle) -> None:
+        """The READ is done: the entry is this instance's own now."""
+        cache = self.cache
+        cache.insert_pulled(pull.key, pull.parent, pull.tail, pull.block_keys, pull.pages, pull.checkpoint)
+        cache.stats.pulls["done"] += 1
+        cache.stats.pull_bytes += handle.nbytes
+        took = time.monotonic() - pull.started
+        beyond = max(0.0, took - handle.nbytes / self.link_bytes_per_s)
+        self.overhead_s = 0.7 * self.overhead_s + 0.3 * beyond
+        log.info(
+            "pulled %d cached tokens from %s for %s: %d bytes, %.1f ms in all",
+            pull.num_tokens,
+            pull.agent,
+            pull.seq.request_id,
+            handle.nbytes,
+            1e3 * took,
+        )
+        pull.pages, pull.checkpoint = [], None
+        self._done(pull)
 
     def _give_up(self, pull: Pull, why: str) -> None:
         log.warning("prefix pull for %s: %s; computing it instead", pull.seq.request_id, why)
@@ -276,11 +270,5 @@ class PrefixSharing(ServiceRole):
     def _done(self, pull: Pull) -> None:
         self.pulls.pop(pull.seq.request_id, None)
         self.engine.scheduler.fetching.pop(pull.seq.request_id, None)
-        if pull.pin_id is not None:
-            asyncio.run_coroutine_threadsafe(self._unpin_remote(pull.agent, pull.pin_id), self._loop)
-
-    async def _unpin_remote(self, agent: str, pin_id: str) -> None:
-        try:
-            await self.peers.client(agent).unary("unpin_prefix", {"pin_id": pin_id}, timeout=PIN_TIMEOUT_S)
-        except (TimeoutError, LookupError, RpcError, OSError) as e:  # its pin expires anyway
-            log.warning("could not unpin %s on %s: %s", pin_id, agent, e)
+        if pull.pin_id is not None:  # a failed unpin is logged: the pin expires anyway
+            self.reads.let_go(pull.agent, "unpin_prefix", {"pin_id": pull.pin_id})
