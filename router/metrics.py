@@ -19,11 +19,18 @@ one backend generation: a chat request with n=2 counts twice.
                                                    instances (0..1; router.scaling_metrics)
 
 Given the served model's name (`RouterMetrics(model_name=...)`), each of these carries it as the
-label `model_name`, as vLLM's do, so that its dashboards' model filter works.
+label `model_name`, as vLLM's do, so that its dashboards' model filter works. The served router
+(router.server.build_router, so `pdserve router` and `pdserve up`) gives it the first served
+name, as vLLM labels with its first `--served-model-name`; an app built without one (tests, the
+local backend) has no label.
 
-A backend adds its own (prefill batch sizes, transfer bytes and time, per-instance load) with
-`metrics.histogram(...)`, `metrics.counter(...)`, `metrics.gauge(...)`: same registry, same
-prefix, shown by the app's `/metrics`, without `model_name`.
+A backend adds its own (prefill batch sizes, transfer bytes and time, per-instance load, the
+per-role gauges, the prefix-cache breakdown) with `metrics.histogram(...)`, `metrics.counter(...)`,
+`metrics.gauge(...)`: same registry, same prefix, shown by the app's `/metrics`, without
+`model_name`. Those have no vLLM counterpart a dashboard filters; they are labelled by role or
+instance instead, and the autoscaling rules (deploy/k8s) select them by `role` alone. The engine
+instances serve no `/metrics` of their own: what they publish with their load reaches Prometheus
+through these.
 """
 
 from __future__ import annotations

@@ -116,16 +116,18 @@ class Router:
 
 
 def build_router(config: RouterConfig) -> Router:
-    """The app over a `DisaggBackend`, with the per-role load gauges on its /metrics."""
+    """The app over a `DisaggBackend`, with the per-role load gauges on its /metrics; the
+    request series and the KV-cache gauge there carry the first served name as `model_name`."""
     model_config = ModelConfig.from_pretrained(config.model)
     # an upper bound: each request is held to the smallest limit the live instances publish
     max_model_len = config.max_model_len or model_config.max_position_embeddings
-    metrics = RouterMetrics()
+    names = config.served_model_names or (config.model,)
+    # vLLM labels its series with the (first) served name: its dashboards' model filter reads it
+    metrics = RouterMetrics(model_name=names[0])
     registry = InstanceRegistry(config.redis_url)
     instances = InstanceSet(registry, metrics)
-    metrics.registry.register(RoleLoadCollector(instances))
+    metrics.registry.register(RoleLoadCollector(instances, names[0]))
     backend = DisaggBackend(instances, metrics, max_model_len, config.burst)
-    names = config.served_model_names or (config.model,)
     api = config.api if config.api.model_root else dataclasses.replace(config.api, model_root=config.model)
     drain = Drain()
     tokenizer = load_tokenizer(config.model, config.chat_template)

@@ -174,6 +174,9 @@ def test_pdserve_up_serves_a_relative_symlinked_model_as_typed(tmp_path: Path, l
             model=linked_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
         )
         assert reply.model == linked_model and reply.usage.completion_tokens >= 1
+        # the router's request series carry the name as typed too (vLLM's model_name label)
+        served = httpx.get(f"{up.url}/metrics", timeout=10).text
+        assert f'pdserve:generation_tokens_total{{model_name="{linked_model}"}} ' in served
         assert "--seed=7" in cmdline(up.children()["router"])
         up.wait_for(r'"POST /v1/chat/completions HTTP/1.1" 200', 10)  # the router's access line
     finally:

@@ -68,6 +68,10 @@ def test_completions_equal_offline(stack: Stack, client: openai.OpenAI, offline:
         )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert metric(stack, "pdserve:transfer_bytes_count") >= 2 * len(PROMPTS), "state must cross by NIXL"
+    # the router's request series carry its served name, as vLLM's carry model_name
+    done = metric(stack, "pdserve:request_success_total", '{finished_reason="length",model_name="tiny"}')
+    assert done >= 2 * len(PROMPTS)
+    assert metric(stack, "pdserve:generation_tokens_total", '{model_name="tiny"}') >= done * MAX_TOKENS
 
 
 def test_chat_equals_offline(client: openai.OpenAI, offline: LLM) -> None:

@@ -31,6 +31,10 @@ def test_pdserve_up_answers_a_chat_request(tmp_path) -> None:
         reply = chat_once(up.url, api_key="k3y")
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert 1 <= reply.usage.completion_tokens <= 8
+        # /metrics (open without the key): the one request, labelled with the served name as vLLM's
+        served = httpx.get(f"{up.url}/metrics", timeout=10).text
+        finished = f'finished_reason="{reply.choices[0].finish_reason}",model_name="{reply.model}"'
+        assert f"pdserve:request_success_total{{{finished}}} 1.0" in served, served
     finally:
         assert up.stop() == 0, up.output()
 

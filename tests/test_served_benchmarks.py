@@ -94,5 +94,5 @@ def test_aiperf_streaming_chat_with_the_key(up: UpProcess, tiny_model_dir: Path,
     assert report["output_sequence_length"]["avg"] == 8  # ignore_eos reached the engine
     assert report["time_to_first_token"]["avg"] > 0 and report["inter_token_latency"]["avg"] > 0
     served = httpx.get(f"{up.url}/metrics", timeout=10).text  # the router served them, streamed
-    assert 'pdserve:request_success_total{finished_reason="length"' in served
+    assert f'pdserve:request_success_total{{finished_reason="length",model_name="{MODEL}"}} ' in served
     assert httpx.post(f"{up.url}/v1/chat/completions", json={}, timeout=10).status_code == 401

@@ -147,7 +147,8 @@ def wait_idle(stack: Stack, within: float) -> tuple[float, dict[str, dict]]:
 
 def router_gauges(stack: Stack) -> dict[str, float]:
     text = httpx.get(f"{stack.url}/metrics", timeout=10).text
-    found = re.findall(r"^pdserve:(num_requests_\w+) ([0-9.e+-]+)$", text, re.MULTILINE)
+    # labelled with the served name, as vLLM's are (tests.stack serves the model as "tiny")
+    found = re.findall(r'^pdserve:(num_requests_\w+)\{model_name="tiny"\} ([0-9.e+-]+)$', text, re.MULTILINE)
     return {name: float(value) for name, value in found}
 
 
