@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--dtype": ("dtype", str),
     "--load-format": ("load_format", str),
-    "--dummy-weight-seed": ("seed", int),
+    "--dummy-weight-seed": ("dummy_weight_seed", int),
     "--max-num-seqs": ("max_num_seqs", int),
     "--max-model-len": ("max_model_len", int),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),

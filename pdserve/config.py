@@ -34,7 +34,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | torch.dtype = "auto"
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights on the device)
-    seed: int = 0
+    dummy_weight_seed: int = 0  # the random weights of load_format "dummy"
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int = 8192

@@ -31,7 +31,7 @@ class LLM:
         dummy_weight_seed: int = 0,
         **kwargs: object,
     ) -> None:
-        config = EngineConfig(model=str(model), seed=dummy_weight_seed, **kwargs)
+        config = EngineConfig(model=str(model), dummy_weight_seed=dummy_weight_seed, **kwargs)
         self.defaults = RequestDefaults.load(config.model, generation_config, seed)
         self.seeds = SeedStream(seed)
         self.engine = LLMEngine(config)

@@ -41,7 +41,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         model.rotary.to(dtype=torch.float32)  # the cos/sin tables stay fp32, like the reference
         if config.load_format == "dummy":
-            init_dummy_weights(model, config.seed)
+            init_dummy_weights(model, config.dummy_weight_seed)
         else:
             load_weights(model, config.model, cfg)
         self.model = model.eval()
