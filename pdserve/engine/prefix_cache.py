@@ -16,10 +16,9 @@ template's next turn diverges from this prompt), a branch point (where the promp
 from what the cache holds: the next prompt sharing it finds a checkpoint there), and pulls from
 peers. A page an entry holds only in part is copied on restore, never written by two holders.
 
-Admission and eviction know what a checkpoint costs (a state slot, ~61 MiB at the full shape):
-no entry shorter than `min_entry_tokens`; a chunk-end checkpoint is admitted only over entries
-nobody reused; eviction is LRU with a reuse count (`EntryIndex.victim`); pages and checkpoint
-always go together; entries a peer is reading are pinned.
+Admission: no entry shorter than `min_entry_tokens`; the room for its checkpoint, eviction
+(LRU with a reuse count, to the host tier under memory pressure) and pins are the entry store's
+(`pdserve.engine.prefix_entries.PrefixEntryStore`, which `PrefixCache` extends).
 """
 
 from __future__ import annotations
@@ -27,14 +26,13 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from pdserve.engine.prefix_index import CacheEntry, EntryIndex
+from pdserve.engine.prefix_entries import PrefixEntryStore
+from pdserve.engine.prefix_index import CacheEntry
 from pdserve.engine.sequence import Sequence
-from pdserve.memory import GdnCheckpointPool, HostTier, KvPagePool
+from pdserve.memory import GdnCheckpointPool, KvPagePool
 from pdserve.prefix_keys import entry_key, extend_block_keys, prefix_block_keys, root_key, tail_marker
-from pdserve.prefix_stats import PrefixStats
 
 __all__ = ["CacheEntry", "Lookup", "PrefixCache", "prefix_block_keys"]
-LOW_VALUE_KINDS = ("chunk",)  # admitted only over entries nobody reused
 
 
 @dataclass(slots=True)
@@ -52,7 +50,7 @@ class _SeqKeys:
     keys: list[bytes] = field(default_factory=list)
 
 
-class PrefixCache:
+class PrefixCache(PrefixEntryStore):
     def __init__(
         self,
         kv_pool: KvPagePool,
@@ -66,44 +64,18 @@ class PrefixCache:
             raise ValueError(
                 f"prefix block size {block_size} must be a multiple of the page size {kv_pool.page_size}"
             )
-        self.kv_pool = kv_pool
-        self.checkpoints = checkpoints
+        super().__init__(kv_pool, checkpoints, host_tier_bytes)
         self.block_size = block_size
         # a prefix shorter than this (default: a block) would cost a checkpoint for a recompute
         # that is cheap anyway: not kept
         self.min_entry_tokens = block_size if min_entry_tokens is None else min_entry_tokens
         self.salt = salt
         self.root = root_key(salt)
-        self.index = EntryIndex()
-        self.entries = self.index.entries  # key -> entry, least recently used first
-        self.version = 0  # bumped whenever the set of entries changes
-        self.stats = PrefixStats()
         # token suffixes of generation prompts (`pdserve.engine.resume_points`): a prompt ending
         # in one also checkpoints where that suffix starts, where its next turn diverges
         self.resume_suffixes: list[tuple[int, ...]] = []
         self.refused: weakref.WeakSet[Sequence] = weakref.WeakSet()  # a pull did not pay for them
-        # where evicted entries go (`configure_host_tier`); None until configured: the first
-        # eviction makes the default for the device (EngineConfig.snapshot_pool_mb's)
-        self.host: HostTier | None = None
-        self._host_bytes = host_tier_bytes
-        if host_tier_bytes is not None:
-            self.configure_host_tier(host_tier_bytes)
         self._seq_keys: weakref.WeakKeyDictionary[Sequence, _SeqKeys] = weakref.WeakKeyDictionary()
-
-    def configure_host_tier(self, budget_bytes: int) -> None:
-        """Allocate the host tier now (0: none); entries already on the host tier are dropped.
-        The same budget again keeps the tier as it is (pinned memory is not given back)."""
-        if budget_bytes == self._host_bytes and (self.host is not None or not budget_bytes):
-            return
-        for entry in [e for e in self.entries.values() if e.tier == "host"]:
-            self._drop(entry)
-        self._host_bytes = budget_bytes
-        self.host = HostTier(self.kv_pool, self.checkpoints.states, budget_bytes) if budget_bytes else None
-
-    def _host_tier(self) -> HostTier | None:
-        if self.host is None and self._host_bytes is None:
-            self.configure_host_tier((4096 if self.kv_pool.kv.is_cuda else 16) << 20)
-        return self.host
 
     # ---- keys
     def block_keys(self, token_ids: list[int]) -> list[bytes]:
@@ -243,94 +215,3 @@ class PrefixCache:
         entry.next_source = "peer"
         self._add(entry)
         return entry
-
-    def reserve_checkpoint(self) -> int | None:
-        """A checkpoint for a transfer to fill (evicting an entry if need be); None: no room."""
-        return self.checkpoints.reserve() if self._room_for_checkpoint("peer") else None
-
-    def _touch(self, key: bytes) -> bool:
-        """True when `key` is held on the device (made recent); one on the host tier is dropped:
-        the caller's fresh device copy replaces it."""
-        entry = self.entries.get(key)
-        if entry is not None and entry.tier == "host":
-            self._drop(entry)
-            entry = None
-        if entry is not None:
-            self.entries.move_to_end(key)
-        return entry is not None
-
-    def _add(self, entry: CacheEntry) -> None:
-        self.index.add(entry)
-        self.stats.saved += 1
-        self.version += 1
-
-    def _room_for_checkpoint(self, kind: str, adopting: bool = False) -> bool:
-        """A checkpoint can be taken (evicting if need be and allowed for `kind`)."""
-        needed = self.checkpoints.num_used >= self.checkpoints.num_checkpoints
-        if not adopting:
-            needed = needed or self.checkpoints.num_free <= 0
-        return not needed or self.evict_one(only_unused=kind in LOW_VALUE_KINDS, to_host=True)
-
-    # ---- pins (a peer READing an entry) and eviction
-    def pin(self, key: bytes) -> CacheEntry | None:
-        """An entry on the device, pinned for a peer's READ (None: not held there)."""
-        entry = self.entries.get(key)
-        if entry is not None and entry.tier == "gpu":
-            entry.pins += 1
-            self.entries.move_to_end(key)
-            return entry
-        return None
-
-    def unpin(self, entry: CacheEntry) -> None:
-        entry.pins -= 1
-        if entry.pins < 0:
-            raise RuntimeError(f"prefix entry of {entry.num_tokens} tokens unpinned twice")
-
-    @property
-    def num_pages(self) -> int:
-        """Distinct device KV pages the cache holds a reference to."""
-        return len({p for e in self.entries.values() if e.tier == "gpu" for p in e.pages})
-
-    def evict_one(
-        self, keep: CacheEntry | None = None, only_unused: bool = False, to_host: bool = False
-    ) -> bool:
-        """Take one entry other than `keep` (the one a request is about to restore) and pinned
-        ones (`EntryIndex.victim`) off the device: dropped, or (`to_host`: memory pressure) moved
-        to the host tier when it has room; False when none can go."""
-        victim = self.index.victim(keep, only_unused)
-        if victim is None:
-            return False
-        if not (to_host and self._demote(victim, keep)):
-            self._drop(victim)
-        self.stats.evicted += 1
-        return True
-
-    def _demote(self, entry: CacheEntry, keep: CacheEntry | None) -> bool:
-        """Move a device entry to the host tier (making room there, least valuable first)."""
-        host = self._host_tier()
-        if host is None or len(entry.pages) > host.num_pages:
-            return False
-        while not host.fits(len(entry.pages)):
-            victim = self.index.victim(keep, only_unused=False, tier="host")
-            if victim is None:
-                return False
-            self._drop(victim)
-        host_pages, host_ck = host.store(entry.pages, entry.checkpoint)
-        self.kv_pool.free(entry.pages)
-        self.checkpoints.free(entry.checkpoint)
-        entry.pages, entry.checkpoint, entry.tier = host_pages, host_ck, "host"
-        return True
-
-    def _drop(self, entry: CacheEntry) -> None:
-        self.index.remove(entry)
-        self.version += 1
-        if entry.tier == "host":
-            self.host.free(entry.pages, entry.checkpoint)
-            return
-        self.kv_pool.free(entry.pages)
-        self.checkpoints.free(entry.checkpoint)
-
-    def clear(self) -> None:
-        """Drop every entry not pinned by a peer (the host tier's too)."""
-        for entry in [e for e in self.entries.values() if e.pins == 0]:
-            self._drop(entry)
