@@ -1,14 +1,20 @@
 """Shared test fixtures: the tiny checkpoint (made once per session), its transformers model,
-and the `gpu` marker (skipped without CUDA)."""
+offline LLMs over it with the prefix cache off and on (one each per session), and the `gpu`
+marker (skipped without CUDA)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from pdserve.tiny import make_tiny
+
+if TYPE_CHECKING:
+    from pdserve import LLM
 
 TINY_SEED = 0
 
@@ -35,3 +41,42 @@ def hf_model(tiny_model_dir: Path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def session_plain_llm(tiny_model_dir: Path) -> LLM:
+    """One LLM with the prefix cache off for the session: tests take it as `plain_llm`."""
+    from tests.offline_llms import tiny_llm
+
+    return tiny_llm(tiny_model_dir, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="session")
+def session_cached_llm(tiny_model_dir: Path) -> LLM:
+    """One LLM with the prefix cache on for the session: tests take it as `cached_llm`."""
+    from tests.offline_llms import tiny_llm
+
+    return tiny_llm(tiny_model_dir, enable_prefix_caching=True)
+
+
+@pytest.fixture
+def plain_llm(session_plain_llm: LLM) -> Iterator[LLM]:
+    """The tiny checkpoint offline with the prefix cache off (the reference a cached run must
+    equal), shared by the session; after the test, nothing leaked."""
+    from tests.helpers import assert_no_leaks
+
+    yield session_plain_llm
+    assert_no_leaks(session_plain_llm.engine)
+
+
+@pytest.fixture
+def cached_llm(session_cached_llm: LLM) -> Iterator[LLM]:
+    """The tiny checkpoint offline with the prefix cache on, shared by the session: each test
+    gets it with an empty cache, zeroed counters and no resume suffixes; after the test, nothing
+    leaked once the cache is cleared."""
+    from tests.helpers import assert_no_leaks
+    from tests.offline_llms import reset_prefix_cache
+
+    reset_prefix_cache(session_cached_llm)
+    yield session_cached_llm
+    assert_no_leaks(session_cached_llm.engine)

@@ -3,35 +3,12 @@ GDN checkpoint) equals the same request computed from scratch; entries are evict
 
 from __future__ import annotations
 
-import pytest
-
 from pdserve import LLM, SamplingParams
 from pdserve.check import prefill_states, relative_differences
 from tests.helpers import assert_no_leaks, random_prompts
+from tests.offline_llms import tiny_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_model_dir) -> LLM:
-    return LLM(
-        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512, enable_prefix_caching=False
-    )
-
-
-@pytest.fixture(scope="module")
-def cached(tiny_model_dir) -> LLM:
-    return LLM(
-        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512, enable_prefix_caching=True
-    )
-
-
-@pytest.fixture(autouse=True)
-def cache_emptied_then_no_leaks(cached: LLM, plain: LLM):
-    yield
-    cached.engine.prefix_cache.clear()
-    assert_no_leaks(cached.engine)
-    assert_no_leaks(plain.engine)
 
 
 def shared_prefix_prompts(prefix_len: int, suffix_lens: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -39,79 +16,79 @@ def shared_prefix_prompts(prefix_len: int, suffix_lens: tuple[int, ...], seed: i
     return [prefix + s for s in suffixes]
 
 
-def test_chunk_ends_are_checkpoints(cached: LLM, plain: LLM) -> None:
+def test_chunk_ends_are_checkpoints(cached_llm: LLM, plain_llm: LLM) -> None:
     """A prompt the token budget cuts into chunks leaves a checkpoint where each chunk ended (no
     pass of its own); a prompt sharing its first 230 tokens reuses the one at 200."""
     first, more, other = random_prompts((260, 20, 40), seed=10)
-    cache, scheduler = cached.engine.prefix_cache, cached.engine.scheduler
+    cache, scheduler = cached_llm.engine.prefix_cache, cached_llm.engine.scheduler
     scheduler.max_num_batched_tokens = 100
     try:
-        cached.generate(first + more, GREEDY)
+        cached_llm.generate(first + more, GREEDY)
     finally:
         scheduler.max_num_batched_tokens = 8192
     chunks = sorted(e.num_tokens for e in cache.entries.values() if e.kind == "chunk")
     assert chunks == [100, 200]
     sibling = first[:230] + other
-    out = cached.generate(sibling, GREEDY)[0]
+    out = cached_llm.generate(sibling, GREEDY)[0]
     assert out.num_cached_tokens == 200
-    assert out.token_ids == plain.generate(sibling, GREEDY)[0].token_ids
+    assert out.token_ids == plain_llm.generate(sibling, GREEDY)[0].token_ids
 
 
-def test_siblings_checkpoint_where_they_diverge(cached: LLM, plain: LLM) -> None:
+def test_siblings_checkpoint_where_they_diverge(cached_llm: LLM, plain_llm: LLM) -> None:
     """Three prompts sharing 150 tokens: the first keeps its end and its generation's; the
     second finds no checkpoint (a miss, "diverged") and saves one where it leaves the first
     (token 150, a branch point); the third computes only its own suffix."""
     first, second, third = shared_prefix_prompts(150, (30, 40, 50), seed=11)
-    cache = cached.engine.prefix_cache
-    cached.generate(first, GREEDY)
+    cache = cached_llm.engine.prefix_cache
+    cached_llm.generate(first, GREEDY)
     assert [(e.kind, e.num_tokens) for e in cache.entries.values()] == [
         ("end", 180),
         ("decode", 180 + GREEDY.max_tokens),  # the last token too: the engine ran one step ahead
     ]
-    assert cached.generate(second, GREEDY)[0].num_cached_tokens == 0
+    assert cached_llm.generate(second, GREEDY)[0].num_cached_tokens == 0
     assert cache.stats.misses["diverged"] >= 1
     assert any(e.kind == "branch" and e.num_tokens == 150 for e in cache.entries.values())
     seen = []
-    execute = cached.engine.runner.execute
-    cached.engine.runner.execute = lambda s, patch=None: seen.append((s, execute(s, patch))) or seen[-1][1]
+    execute = cached_llm.engine.runner.execute
+    cached_llm.engine.runner.execute = lambda s, patch=None: (
+        seen.append((s, execute(s, patch))) or seen[-1][1]
+    )
     try:
-        out = cached.generate(third, GREEDY)[0]
+        out = cached_llm.generate(third, GREEDY)[0]
     finally:
-        del cached.engine.runner.execute
+        del cached_llm.engine.runner.execute
     first_pass = seen[0][0][0]
     assert first_pass.num_new_tokens == len(third) - 150, "only the uncached suffix is computed"
     assert out.num_cached_tokens == 150
-    assert out.token_ids == plain.generate(third, GREEDY)[0].token_ids
+    assert out.token_ids == plain_llm.generate(third, GREEDY)[0].token_ids
 
 
-def test_cached_logits_and_states_equal_uncached(cached: LLM, plain: LLM) -> None:
+def test_cached_logits_and_states_equal_uncached(cached_llm: LLM, plain_llm: LLM) -> None:
     first, extra = random_prompts((180, 60), seed=12)
-    cached.generate(first, SamplingParams(max_tokens=1))
+    cached_llm.generate(first, SamplingParams(max_tokens=1))
     second = first + extra  # restores the checkpoint at first's end (inside a page)
-    (warm,) = prefill_states(cached.engine, [second], token_budget=4096)
-    (cold,) = prefill_states(plain.engine, [second], token_budget=4096)
+    (warm,) = prefill_states(cached_llm.engine, [second], token_budget=4096)
+    (cold,) = prefill_states(plain_llm.engine, [second], token_budget=4096)
     for key, diff in relative_differences(warm, cold).items():
         assert diff <= 1e-4, f"{key} differs by {diff:.2e} with the prefix from the cache"
 
 
-def test_packed_burst_with_a_shared_prefix_equals_uncached(cached: LLM, plain: LLM) -> None:
+def test_packed_burst_with_a_shared_prefix_equals_uncached(cached_llm: LLM, plain_llm: LLM) -> None:
     """Cold, packed: nothing to reuse. The same burst again: each prompt finds its own end
     entry, unusable (its last token must be computed), and checkpoints its last token but one;
     a third time every prompt computes one token."""
     prompts = shared_prefix_prompts(130, (20, 35, 50, 70), seed=13)
-    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
-    assert [o.token_ids for o in cached.generate(prompts, GREEDY)] == expected  # cold, packed
-    assert [o.token_ids for o in cached.generate(prompts, GREEDY)] == expected
-    again = cached.generate(prompts, GREEDY)
+    expected = [o.token_ids for o in plain_llm.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in cached_llm.generate(prompts, GREEDY)] == expected  # cold, packed
+    assert [o.token_ids for o in cached_llm.generate(prompts, GREEDY)] == expected
+    again = cached_llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in again] == expected
     assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in prompts]
 
 
-def test_entries_are_evicted_under_memory_pressure(tiny_model_dir) -> None:
-    llm = LLM(
-        str(tiny_model_dir),
-        device="cpu",
-        dtype="float32",
+def test_entries_are_evicted_under_memory_pressure(tiny_model_dir, plain_llm: LLM) -> None:
+    llm = tiny_llm(
+        tiny_model_dir,
         max_model_len=256,
         num_kv_pages=40,
         enable_prefix_caching=True,
@@ -122,10 +99,7 @@ def test_entries_are_evicted_under_memory_pressure(tiny_model_dir) -> None:
     outs = [llm.generate(p, params)[0] for p in prompts]  # each saves a checkpoint; only 2 fit
     tiers = [e.tier for e in llm.engine.prefix_cache.entries.values()]
     assert tiers.count("gpu") <= 2 and "host" in tiers, "the others went to the host tier"
-    plain = LLM(
-        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=256, enable_prefix_caching=False
-    )
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_llm.generate(prompts, params)]
     # a prompt needing more pages than are free evicts cache entries instead of failing
     big = random_prompts((250,), seed=15)[0]
     assert len(llm.generate(big, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
@@ -133,21 +107,19 @@ def test_entries_are_evicted_under_memory_pressure(tiny_model_dir) -> None:
     assert_no_leaks(llm.engine)
 
 
-def test_cached_tokens_reach_the_usage(cached: LLM) -> None:
+def test_cached_tokens_reach_the_usage(cached_llm: LLM) -> None:
     prompt, more = random_prompts((100, 10), seed=16)
-    assert cached.generate(prompt, SamplingParams(max_tokens=1))[0].num_cached_tokens == 0
-    assert cached.generate(prompt + more, SamplingParams(max_tokens=1))[0].num_cached_tokens == 100
-    checkpoints = cached.engine.prefix_cache.checkpoints
-    assert checkpoints.states is cached.engine.runner.state_pool, "a checkpoint is a state slot"
+    assert cached_llm.generate(prompt, SamplingParams(max_tokens=1))[0].num_cached_tokens == 0
+    assert cached_llm.generate(prompt + more, SamplingParams(max_tokens=1))[0].num_cached_tokens == 100
+    checkpoints = cached_llm.engine.prefix_cache.checkpoints
+    assert checkpoints.states is cached_llm.engine.runner.state_pool, "a checkpoint is a state slot"
 
 
-def test_preemption_with_the_cache_is_exact(tiny_model_dir, plain: LLM) -> None:
+def test_preemption_with_the_cache_is_exact(tiny_model_dir, plain_llm: LLM) -> None:
     """A pool too small for the batch: sequences are preempted and readmitted (restoring cached
     prefixes), cache entries evicted; the tokens still equal an uncached roomy engine's."""
-    llm = LLM(
-        str(tiny_model_dir),
-        device="cpu",
-        dtype="float32",
+    llm = tiny_llm(
+        tiny_model_dir,
         max_model_len=256,
         num_kv_pages=26,
         enable_prefix_caching=True,
@@ -160,16 +132,16 @@ def test_preemption_with_the_cache_is_exact(tiny_model_dir, plain: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert preempted, "the tight pool should have forced a preemption"
-    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+    assert got == [o.token_ids for o in plain_llm.generate(prompts, params)]
     llm.engine.prefix_cache.clear()
     assert_no_leaks(llm.engine)
 
 
-def test_eviction_spares_the_entry_being_restored(cached: LLM) -> None:
+def test_eviction_spares_the_entry_being_restored(cached_llm: LLM) -> None:
     """Making room for a request must not evict the very entry it is about to restore."""
-    cache = cached.engine.prefix_cache
+    cache = cached_llm.engine.prefix_cache
     for seed in (18, 19):
-        cached.generate(shared_prefix_prompts(140, (10,), seed=seed)[0], SamplingParams(max_tokens=1))
+        cached_llm.generate(shared_prefix_prompts(140, (10,), seed=seed)[0], SamplingParams(max_tokens=1))
     older, *newer = list(cache.entries.values())
     while len(cache.entries) > 1:
         assert cache.evict_one(keep=older)

@@ -9,27 +9,15 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from tests.helpers import assert_no_leaks, random_prompts
+from tests.offline_llms import tiny_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 DEVICE_CHECKPOINTS = 3
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir) -> LLM:
-    return LLM(
-        str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512, enable_prefix_caching=False
-    )
-
-
-@pytest.fixture(scope="module")
 def tiered(tiny_model_dir) -> LLM:
-    llm = LLM(
-        str(tiny_model_dir),
-        device="cpu",
-        dtype="float32",
-        max_model_len=512,
-        num_prefix_checkpoints=DEVICE_CHECKPOINTS,
-    )
+    llm = tiny_llm(tiny_model_dir, num_prefix_checkpoints=DEVICE_CHECKPOINTS)
     llm.engine.prefix_cache.configure_host_tier(64 << 20)
     return llm
 
@@ -44,7 +32,7 @@ def idle_after(tiered: LLM):
     assert (host.num_free_pages, host.num_free_checkpoints) == (host.num_pages, host.num_checkpoints)
 
 
-def test_host_hit_equals_no_cache_alone_and_packed(tiered: LLM, plain: LLM) -> None:
+def test_host_hit_equals_no_cache_alone_and_packed(tiered: LLM, plain_llm: LLM) -> None:
     cache = tiered.engine.prefix_cache
     firsts = random_prompts((140, 150, 160, 170, 180), seed=51)
     more = random_prompts((20, 25), seed=52)
@@ -54,7 +42,7 @@ def test_host_hit_equals_no_cache_alone_and_packed(tiered: LLM, plain: LLM) -> N
     (oldest,) = [e for e in cache.entries.values() if e.kind == "end" and e.num_tokens == 140]
     assert oldest.tier == "host"
     turns = [firsts[0] + more[0], firsts[1] + more[1]]  # both continue a prompt now on the host
-    expected = [o.token_ids for o in plain.generate(turns, GREEDY)]
+    expected = [o.token_ids for o in plain_llm.generate(turns, GREEDY)]
     before = cache.stats.hit_tokens["host"]
     alone = tiered.generate(turns[0], GREEDY)[0]
     assert alone.num_cached_tokens == 140 and alone.token_ids == expected[0]
