@@ -113,8 +113,10 @@ def test_same_batches_same_outputs(tiny_model_dir, device: str) -> None:
         max_num_batched_tokens=256, num_kv_pages=64,
     )  # fmt: skip
     vocab, rng = config.model_config.vocab_size, random.Random(3)
-    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=24, ignore_eos=True, logprobs=1)  # noqa: E501
-              for i in range(8)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=24, ignore_eos=True, logprobs=1)
+        for i in range(8)
+    ]
     requests = [([rng.randrange(vocab) for _ in range(5 + 7 * i)], p) for i, p in enumerate(params)]
     engines = {}
     for run_ahead in (True, False):
