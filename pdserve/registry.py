@@ -211,6 +211,15 @@ class InstanceRegistry:
         key = self._prefix_key(block_hash)
         await self._redis.set(key, self._seal(key, instance_id), px=px)
 
+    async def set_prefix_owners(self, block_hashes: list[str], instance_id: str, ttl_s: float) -> None:
+        """`set_prefix_owner` for many hashes in one round-trip (a pipeline, not a transaction)."""
+        px = max(1, round(ttl_s * 1000))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for block_hash in block_hashes:
+                key = self._prefix_key(block_hash)
+                pipe.set(key, self._seal(key, instance_id), px=px)
+            await pipe.execute()
+
     async def prefix_owners(self, block_hashes: list[str]) -> dict[str, str]:
         """{block_hash: instance_id} for the hashes that have an owner (others are left out)."""
         if not block_hashes:

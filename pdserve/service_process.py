@@ -1,5 +1,5 @@
-"""Running a service process: its gRPC server(s), its heartbeat in Redis, prefix-key publishing,
-and a clean stop on SIGINT/SIGTERM.
+"""Running a service process: its gRPC server(s), its heartbeat in Redis, prefix-key publishing
+(`pdserve.prefix_publishing`), and a clean stop on SIGINT/SIGTERM.
 
 Lifecycle: load the model (the host) -> listen (one server per role) -> register each role +
 heartbeat (TTL) -> serve until a signal -> deregister (routers stop sending work) -> drain
@@ -18,7 +18,8 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-from pdserve.registry import InstanceInfo, InstanceRegistry
+from pdserve.prefix_publishing import PrefixPublisher
+from pdserve.registry import InstanceInfo
 from pdserve.rpc import RpcServer, join_host_port
 from pdserve.serving import EngineHost, ServiceConfig, service_config_from_args, start_logging
 
@@ -30,26 +31,6 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
     if advertise_host:
         return advertise_host
     return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-
-
-async def publish_prefix_keys(
-    registry: InstanceRegistry, host: EngineHost, instance_id: str, interval_s: float
-) -> None:
-    """Keep `{ns}:prefix:{hash}` -> this instance for every block its cache holds, with a TTL of
-    a few intervals, so an evicted block (or a dead instance) drops out by itself."""
-    failing = False
-    while True:
-        try:
-            for key in host.prefix_keys():
-                await registry.set_prefix_owner(key, instance_id, ttl_s=3 * interval_s)
-            if failing:
-                log.warning("prefix keys: Redis answers again")
-            failing = False
-        except Exception as e:  # Redis away (or anything else): retry at the next beat
-            if not failing:
-                log.warning("prefix keys: cannot publish (%s); retrying every %.1fs", e, interval_s)
-            failing = True
-        await asyncio.sleep(interval_s)
 
 
 async def run_service(
@@ -102,7 +83,8 @@ async def run_service(
                         )
                     )
                 )
-            tasks.append(asyncio.create_task(publish_prefix_keys(registry, host, instance_id, heartbeat_s)))
+            publisher = PrefixPublisher(registry, host, instance_id, heartbeat_s)  # new keys at once
+            tasks.append(asyncio.create_task(publisher.run()))
         log.info("%s %s serving on %s", "+".join(servers), instance_id, addresses)
         if on_ready is not None:
             on_ready(addresses)

@@ -5,6 +5,9 @@ both: one engine holding both roles on one GPU).
 
 The engine thread's callbacks go to every role; each takes the requests it knows. The host logs
 a stats line every 10 s while it serves (pdserve.serving_stats; off with --disable-log-stats).
+After each step that changed the prefix cache's entries, the host snapshots the keys it claims
+and calls `on_prefix_keys` (the publisher's wake-up, `pdserve.prefix_publishing`): a new entry
+goes to Redis right after the step that made it, not at the next heartbeat.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import kvtransfer
@@ -189,6 +193,8 @@ class EngineHost:
         self._load_at = 0.0
         self._prefix_keys: list[str] = []  # snapshot of the cache's keys, replaced on the engine thread
         self._prefix_version = -1
+        # called on the engine thread when the snapshot changed (it must not block: a wake-up)
+        self.on_prefix_keys: Callable[[], None] | None = None
         caching = self.engine.prefix_cache is not None
         self.stats = ServingStats(config.instance_id, config.log_stats_interval_s, prefix_cache=caching)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
@@ -218,8 +224,21 @@ class EngineHost:
         """Cached prefix blocks this instance holds (hex), published in Redis."""
         return self._prefix_keys
 
+    def _refresh_prefix_keys(self) -> None:
+        """Snapshot the cache's keys when its entries changed, and say so (engine thread)."""
+        cache = self.engine.prefix_cache
+        if cache is None or cache.version == self._prefix_version:
+            return
+        self._prefix_keys = cache.published_keys()  # entries + tail markers (pdserve.prefix_keys)
+        self._prefix_version = cache.version
+        if self.on_prefix_keys is not None:
+            self.on_prefix_keys()
+
     # ---- the engine thread's callbacks
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        # before the roles stream the outputs: a finished request's entry is on its way to Redis
+        # before its last token is on its way to the client (who may send the next turn at once)
+        self._refresh_prefix_keys()
         self.stats.observe(outputs)
         for role in self.roles:
             role.on_outputs(outputs)
@@ -232,10 +251,7 @@ class EngineHost:
         busy = False
         for role in self.roles:
             busy = role.tick() or busy
-        cache = self.engine.prefix_cache
-        if cache is not None and cache.version != self._prefix_version:  # rebuilt only on a change
-            self._prefix_keys = cache.published_keys()  # entries + tail markers (pdserve.prefix_keys)
-            self._prefix_version = cache.version
+        self._refresh_prefix_keys()  # entries made by a step without outputs, pulls, evictions
         now = time.monotonic()
         if now - self._load_at >= LOAD_REFRESH_S:
             load = load_report(self.engine)

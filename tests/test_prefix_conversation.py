@@ -25,9 +25,6 @@ TURNS = 6
 # answers long enough that pulling their state beats recomputing it on a CPU (the cost model
 # measures both: a 12-token answer is cheaper to recompute here, and is)
 ANSWER_TOKENS = 32
-# an instance publishes its entries with its heartbeat (1 s, pdserve.serving): a next turn
-# sooner than that is routed by what the router saw before (left: publish on change)
-PUBLISHED_S = 1.3
 GREEDY = {"max_tokens": ANSWER_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
 SHORT = {**GREEDY, "max_tokens": 12}
 
@@ -63,26 +60,35 @@ async def instance_loads(stack: Stack) -> dict[str, dict]:
         }
 
 
-def test_conversation_reuses_every_previous_answer(stack: Stack, offline: LLM) -> None:
-    """Completions with token ids: each turn's prompt is the previous prompt, its answer and a
-    new message (a template that keeps earlier answers)."""
-    system, *messages = random_prompts((120, *[15] * TURNS), seed=41)
-    client = client_of(stack)
-    prompt, previous = system + messages[0], None
-    pulls_before = metric(stack, "pdserve:prefix_pull_hints_total")
-    for turn in range(TURNS):
-        reply = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
-        expected = offline.generate(
+def offline_conversation(offline: LLM, system: list[int], messages: list[list[int]]) -> list:
+    """Each turn's (prompt, expected answer): the previous prompt, its answer and a new message."""
+    turns, prompt = [], system + messages[0]
+    for message in [*messages[1:], None]:
+        answer = offline.generate(
             prompt, SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
         )
-        assert reply.choices[0].text == expected[0].text, f"turn {turn + 1} differs from offline"
+        turns.append((prompt, answer[0].text))
+        if message is not None:
+            prompt = prompt + answer[0].token_ids + message
+    return turns
+
+
+def test_conversation_reuses_every_previous_answer(stack: Stack, offline: LLM) -> None:
+    """Completions with token ids (a template that keeps earlier answers). Each turn is sent the
+    moment the previous answer is in: the decode instance that generated it has published its
+    entry by then (right after the step that made it, not at its next heartbeat)."""
+    system, *messages = random_prompts((120, *[15] * TURNS), seed=41)
+    turns = offline_conversation(offline, system, messages)
+    client = client_of(stack)
+    previous = None
+    pulls_before = metric(stack, "pdserve:prefix_pull_hints_total")
+    for turn, (prompt, expected) in enumerate(turns):
+        reply = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        assert reply.choices[0].text == expected, f"turn {turn + 1} differs from offline"
         cached = reply.usage.prompt_tokens_details.cached_tokens
         if previous is not None:
             assert cached >= 0.95 * previous, f"turn {turn + 1}: {cached} cached of {previous}"
         previous = len(prompt) + ANSWER_TOKENS
-        if turn + 1 < TURNS:
-            prompt = prompt + expected[0].token_ids + messages[turn + 1]
-            time.sleep(PUBLISHED_S)  # the decode instance publishes its new entry with its heartbeat
     assert metric(stack, "pdserve:prefix_pull_hints_total") - pulls_before >= TURNS - 1
     loads = asyncio.run(instance_loads(stack))
     peer = sum(

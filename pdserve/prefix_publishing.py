@@ -1,0 +1,86 @@
+"""Publishing the entries of this instance's prefix cache in Redis (`{ns}:prefix:{key}` -> this
+instance, read by the router's prefix route), so that a conversation's next turn finds the
+instance holding its previous turn.
+
+Two kinds of writes, each one pipelined round-trip:
+  - new keys, as soon as the step that made them is over: the engine thread wakes the
+    publisher (`EngineHost.on_prefix_keys`, a call_soon_threadsafe: it never waits on Redis),
+    which writes the keys it has not written yet. Wake-ups that come while a write is on its
+    way are folded into the next one, so a burst of steps costs a write or two, and a step
+    that changed nothing (or only dropped entries) costs none;
+  - every key, once per heartbeat, with a TTL of three heartbeats: an evicted entry (or a
+    dead instance) drops out by itself, and the keys come back after a Redis restart.
+With Redis away, a failed write is logged once and retried at the next beat only (no retry
+per step); the engine thread never notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from pdserve.registry import InstanceRegistry
+from pdserve.serving import EngineHost
+
+log = logging.getLogger("pdserve.serving")
+
+
+class PrefixPublisher:
+    """Built on the host's event loop; `run()` is a task there until cancelled."""
+
+    def __init__(
+        self, registry: InstanceRegistry, host: EngineHost, instance_id: str, interval_s: float
+    ) -> None:
+        self.registry = registry
+        self.host = host
+        self.instance_id = instance_id
+        self.interval_s = interval_s
+        self._published: set[str] = set()  # written since the last full write
+        self._changed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        host.on_prefix_keys = self.notify
+
+    def notify(self) -> None:
+        """New keys may be there (any thread; returns at once)."""
+        try:
+            self._loop.call_soon_threadsafe(self._changed.set)
+        except RuntimeError:  # the loop is closed: the service is stopping
+            pass
+
+    async def run(self) -> None:
+        failing = False
+        next_full = time.monotonic()
+        while True:
+            self._changed.clear()  # before reading the keys: a change after it wakes us again
+            now = time.monotonic()
+            full = now >= next_full
+            keys = self.host.prefix_keys()
+            if not full:
+                keys = [key for key in keys if key not in self._published]
+            try:
+                if keys:
+                    await self.registry.set_prefix_owners(keys, self.instance_id, ttl_s=3 * self.interval_s)
+                self._published = set(keys) if full else self._published | set(keys)
+                if failing:
+                    log.warning("prefix keys: Redis answers again")
+                failing = False
+            except Exception as e:  # Redis away (or anything else): retry at the next beat
+                if not failing:
+                    log.warning("prefix keys: cannot publish (%s); retrying every %.1fs", e, self.interval_s)
+                failing, full = True, True
+            if full:
+                next_full = now + self.interval_s
+            await self._wait(next_full - time.monotonic(), beat_only=failing)
+
+    async def _wait(self, timeout_s: float, beat_only: bool) -> None:
+        """Until the next beat, or a change first (unless Redis is failing)."""
+        if timeout_s <= 0:
+            return
+        if beat_only:
+            await asyncio.sleep(timeout_s)
+            return
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
