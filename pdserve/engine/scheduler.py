@@ -16,23 +16,18 @@ Each step:
      from a peer) wait, and later ones pass them.
 A sequence samples a token only in the step that brings it to its last token.
 
-Hand-over states (disaggregated serving):
-  prefill side: a `handoff` sequence that sampled its first token becomes HELD: it leaves the
-    batch but keeps its pages and slot under a lease (`hold`), until the decode side has READ
-    them (`release_lease`), the router gives up, or the lease expires (`expire_leases`);
-  decode side: `reserve` gives a transferred sequence its pages and slot (evicting cache
-    entries first, keeping one page of headroom per running sequence), it is RECEIVING while
-    the READ runs, then `start_received` makes it RUNNING.
+Hand-over states (disaggregated serving: HELD with a lease on the prefill side, RECEIVING on
+the decode side) are `pdserve.engine.handover_states.HandoverStates`, a base of `Scheduler`.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.checkpoint_plan import plan_checkpoints
+from pdserve.engine.handover_states import HandoverStates, HeldLease
 from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import CacheEntry, Lookup, PrefixCache
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -49,16 +44,7 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
-@dataclass(slots=True)
-class HeldLease:
-    """A HELD sequence's memory, leased to whoever READs it: valid until released or expired."""
-
-    seq: Sequence
-    lease_id: str
-    expires: float
-
-
-class Scheduler:
+class Scheduler(HandoverStates):
     def __init__(
         self,
         kv_pool: KvPagePool,
@@ -243,62 +229,3 @@ class Scheduler:
         if seq.state_slot is not None:
             self.state_pool.free(seq.state_slot)
             seq.state_slot = None
-
-    # ---- prefill side: HELD sequences and their leases
-    def hold(self, seq: Sequence) -> HeldLease:
-        """Take a running sequence out of the batch, keeping its memory under a new lease."""
-        self.running.remove(seq)
-        seq.status = SequenceStatus.HELD
-        lease = HeldLease(seq, secrets.token_hex(16), time.monotonic() + self.lease_ttl_s)
-        self.held[seq.request_id] = lease
-        return lease
-
-    def release_lease(self, request_id: str, lease_id: str | None = None) -> bool:
-        """Free a HELD sequence's memory; True if the lease (any, when `lease_id` is None) was
-        still held, i.e. its memory was the request's own until now."""
-        lease = self.held.get(request_id)
-        if lease is None or (lease_id is not None and lease.lease_id != lease_id):
-            return False
-        self.finish(lease.seq)
-        return True
-
-    def expire_leases(self, now: float) -> list[str]:
-        """Free the memory of leases past their time; the ids of the requests they held."""
-        expired = [rid for rid, lease in self.held.items() if lease.expires < now]
-        for rid in expired:
-            self.finish(self.held[rid].seq)
-        return expired
-
-    def resume_held(self, request_id: str, lease_id: str) -> Sequence | None:
-        """Decode a HELD sequence here, in place (one instance holding both roles): its memory
-        moves to the batch without a copy. None if the lease is not held."""
-        lease = self.held.get(request_id)
-        if lease is None or lease.lease_id != lease_id:
-            return None
-        del self.held[request_id]
-        if self.prefix_cache is not None:  # its prompt's final state, before decoding moves it on
-            self.prefix_cache.save(lease.seq, "end")
-        lease.seq.status = SequenceStatus.RUNNING
-        lease.seq.handoff = False
-        self.running.append(lease.seq)
-        return lease.seq
-
-    # ---- decode side: memory for a transferred sequence
-    def reserve(self, seq: Sequence, num_pages: int) -> bool:
-        """Give `seq` `num_pages` pages and a slot for an incoming transfer (RECEIVING), keeping a
-        page of headroom per running sequence; False (nothing taken) when they do not fit."""
-        if self._num_active() >= self.max_num_seqs or not self._free_slot():
-            return False
-        if not self._make_room(num_pages + len(self.running)):
-            return False
-        seq.block_table = self.kv_pool.allocate(num_pages)
-        seq.state_slot = self.state_pool.allocate()
-        seq.status = SequenceStatus.RECEIVING
-        self.receiving[seq.request_id] = seq
-        return True
-
-    def start_received(self, seq: Sequence) -> None:
-        """A RECEIVING sequence's state has arrived: it joins the batch."""
-        del self.receiving[seq.request_id]
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
