@@ -187,12 +187,24 @@ class DecodeService(ServiceRole):
                 finished=out.finished,
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
-            )
-            self._post(out.request_id, event.to_wire())
+            ).to_wire()
+            if out.finished:  # once its entry is in Redis: the next turn, sent at once, finds it
+                version = self.host.prefix_snapshot()[0]
+                asyncio.run_coroutine_threadsafe(
+                    self._post_published(out.request_id, event, version), self._loop
+                )
+            else:
+                self._post(out.request_id, event)
 
     def on_error(self, request_ids: list[str], message: str) -> None:
         for rid in request_ids:
             self._post(rid, {"error": message})
+
+    async def _post_published(self, rid: str, event: dict, version: int) -> None:
+        await self.host.prefix_published(version)
+        queue = self.streams.get(rid)
+        if queue is not None:
+            queue.put_nowait(event)
 
     def _post(self, rid: str, event: dict) -> None:
         queue = self.streams.get(rid)

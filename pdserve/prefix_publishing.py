@@ -7,7 +7,10 @@ Two kinds of writes, each one pipelined round-trip:
     publisher (`EngineHost.on_prefix_keys`, a call_soon_threadsafe: it never waits on Redis),
     which writes the keys it has not written yet. Wake-ups that come while a write is on its
     way are folded into the next one, so a burst of steps costs a write or two, and a step
-    that changed nothing (or only dropped entries) costs none;
+    that changed nothing (or only dropped entries) costs none. `published(version)` waits
+    (at most `PUBLISHED_WAIT_S`) until a snapshot's keys are written: the decode role sends a
+    request's last token after that, so the conversation's next turn, sent the moment the
+    answer is in, finds the answer's entry;
   - every key, once per heartbeat, with a TTL of three heartbeats: an evicted entry (or a
     dead instance) drops out by itself, and the keys come back after a Redis restart.
 With Redis away, a failed write is logged once and retried at the next beat only (no retry
@@ -24,6 +27,7 @@ from pdserve.registry import InstanceRegistry
 from pdserve.serving import EngineHost
 
 log = logging.getLogger("pdserve.serving")
+PUBLISHED_WAIT_S = 0.05  # the longest a last token waits for its entry's write (a slow Redis)
 
 
 class PrefixPublisher:
@@ -37,9 +41,12 @@ class PrefixPublisher:
         self.instance_id = instance_id
         self.interval_s = interval_s
         self._published: set[str] = set()  # written since the last full write
+        self._written = -1  # the snapshot version whose keys are all in Redis
+        self._failing = False
         self._changed = asyncio.Event()
+        self._progress = asyncio.Event()  # set (and replaced) after each write
         self._loop = asyncio.get_running_loop()
-        host.on_prefix_keys = self.notify
+        host.publisher = self
 
     def notify(self) -> None:
         """New keys may be there (any thread; returns at once)."""
@@ -48,30 +55,44 @@ class PrefixPublisher:
         except RuntimeError:  # the loop is closed: the service is stopping
             pass
 
+    async def published(self, version: int, timeout_s: float = PUBLISHED_WAIT_S) -> None:
+        """Until the keys of snapshot `version` are written; at once while Redis fails."""
+        deadline = self._loop.time() + timeout_s
+        while self._written < version and not self._failing:
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._progress.wait(), remaining)
+            except TimeoutError:
+                return
+
     async def run(self) -> None:
-        failing = False
         next_full = time.monotonic()
         while True:
             self._changed.clear()  # before reading the keys: a change after it wakes us again
             now = time.monotonic()
             full = now >= next_full
-            keys = self.host.prefix_keys()
+            version, keys = self.host.prefix_snapshot()
             if not full:
                 keys = [key for key in keys if key not in self._published]
             try:
                 if keys:
                     await self.registry.set_prefix_owners(keys, self.instance_id, ttl_s=3 * self.interval_s)
                 self._published = set(keys) if full else self._published | set(keys)
-                if failing:
+                self._written = version
+                if self._failing:
                     log.warning("prefix keys: Redis answers again")
-                failing = False
+                self._failing = False
             except Exception as e:  # Redis away (or anything else): retry at the next beat
-                if not failing:
+                if not self._failing:
                     log.warning("prefix keys: cannot publish (%s); retrying every %.1fs", e, self.interval_s)
-                failing, full = True, True
+                self._failing, full = True, True
+            self._progress.set()
+            self._progress = asyncio.Event()
             if full:
                 next_full = now + self.interval_s
-            await self._wait(next_full - time.monotonic(), beat_only=failing)
+            await self._wait(next_full - time.monotonic(), beat_only=self._failing)
 
     async def _wait(self, timeout_s: float, beat_only: bool) -> None:
         """Until the next beat, or a change first (unless Redis is failing)."""

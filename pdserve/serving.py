@@ -6,8 +6,8 @@ both: one engine holding both roles on one GPU).
 The engine thread's callbacks go to every role; each takes the requests it knows. The host logs
 a stats line every 10 s while it serves (pdserve.serving_stats; off with --disable-log-stats).
 After each step that changed the prefix cache's entries, the host snapshots the keys it claims
-and calls `on_prefix_keys` (the publisher's wake-up, `pdserve.prefix_publishing`): a new entry
-goes to Redis right after the step that made it, not at the next heartbeat.
+and wakes its `publisher` (`pdserve.prefix_publishing`): a new entry goes to Redis right after
+the step that made it, not at the next heartbeat; `prefix_published(version)` waits for that.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import kvtransfer
 from kvtransfer import POOL_UNIT_DIMS, BaseTransferAgent, LocalCopyAgent, model_identity
@@ -31,6 +31,9 @@ from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.warmup import warm_up
 from pdserve.registry import InstanceRegistry
 from pdserve.serving_stats import STATS_INTERVAL_S, ServingStats
+
+if TYPE_CHECKING:
+    from pdserve.prefix_publishing import PrefixPublisher
 
 log = logging.getLogger("pdserve.serving")
 LOAD_REFRESH_S = 0.1  # how often the engine thread refreshes the published load
@@ -191,10 +194,9 @@ class EngineHost:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._load: dict = load_report(self.engine)
         self._load_at = 0.0
-        self._prefix_keys: list[str] = []  # snapshot of the cache's keys, replaced on the engine thread
-        self._prefix_version = -1
-        # called on the engine thread when the snapshot changed (it must not block: a wake-up)
-        self.on_prefix_keys: Callable[[], None] | None = None
+        # (cache version, its keys): replaced whole on the engine thread, read on the event loop
+        self._prefix_snapshot: tuple[int, list[str]] = (-1, [])
+        self.publisher: PrefixPublisher | None = None  # set by the publisher (with a registry)
         caching = self.engine.prefix_cache is not None
         self.stats = ServingStats(config.instance_id, config.log_stats_interval_s, prefix_cache=caching)
         self.thread = EngineThread(self.engine, self._on_outputs, self._on_error, tick=self._tick)
@@ -222,17 +224,27 @@ class EngineHost:
 
     def prefix_keys(self) -> list[str]:
         """Cached prefix blocks this instance holds (hex), published in Redis."""
-        return self._prefix_keys
+        return self._prefix_snapshot[1]
+
+    def prefix_snapshot(self) -> tuple[int, list[str]]:
+        """The cache version of the last snapshot and its keys."""
+        return self._prefix_snapshot
+
+    async def prefix_published(self, version: int) -> None:
+        """Until the keys of snapshot `version` are in Redis (bounded; at once without Redis, or
+        while it fails)."""
+        if self.publisher is not None:
+            await self.publisher.published(version)
 
     def _refresh_prefix_keys(self) -> None:
-        """Snapshot the cache's keys when its entries changed, and say so (engine thread)."""
+        """Snapshot the cache's keys when its entries changed, and wake the publisher (engine thread)."""
         cache = self.engine.prefix_cache
-        if cache is None or cache.version == self._prefix_version:
+        if cache is None or cache.version == self._prefix_snapshot[0]:
             return
-        self._prefix_keys = cache.published_keys()  # entries + tail markers (pdserve.prefix_keys)
-        self._prefix_version = cache.version
-        if self.on_prefix_keys is not None:
-            self.on_prefix_keys()
+        # entries + tail markers (pdserve.prefix_keys)
+        self._prefix_snapshot = (cache.version, cache.published_keys())
+        if self.publisher is not None:
+            self.publisher.notify()
 
     # ---- the engine thread's callbacks
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
