@@ -7,7 +7,11 @@ under `workdir`.
     stack.kill("decode-1")      # SIGKILL, as a crash
     stack.restart("decode-1")   # start it again under the same instance id (same flags)
     stack.log("decode-1")       # its output, every incarnation
+    stack.metric("pdserve:decode_requests_total")   # the router's, summed over its labels
+    stack.instance_loads()      # {instance_id: load}, as the instances publish it in Redis
     stack.stop()
+
+A test module's stack, started once for the module: `stack = stack_fixture("name", 2, 2)`.
 
 Like `pdserve up`, it closes the internal plane: a generated internal secret in a 0600 file
 and a random Redis password, handed to every process in its environment (never on a command
@@ -18,7 +22,9 @@ processes do; `stack.env` holds them for anything else. Children die with the te
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -27,8 +33,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-from pdserve.registry import RedisServer
+from pdserve.registry import InstanceRegistry, RedisServer
 from pdserve.rpc import free_port
 from pdserve.supervisor import die_with_parent_wrapper, popen_options
 
@@ -151,6 +158,27 @@ class Stack:
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text()
 
+    def metric(self, name: str) -> float:
+        """The router's metric `name` (/metrics), summed over all its label sets."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
+        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+    def instance_loads(self) -> dict[str, dict]:
+        """The load every live instance last published, by instance id (read from Redis; call it
+        from a test, not from a running event loop)."""
+
+        async def read() -> dict[str, dict]:
+            assert self.redis is not None
+            async with InstanceRegistry(self.redis.url, password=self.redis.password) as registry:
+                return {
+                    info.instance_id: info.load
+                    for role in ("prefill", "decode")
+                    for info in await registry.instances(role)
+                }
+
+        return asyncio.run(read())
+
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait()
@@ -179,3 +207,24 @@ class Stack:
             else:
                 os.environ[key] = value
         self._saved_env = {}
+
+
+def stack_fixture(
+    workdir_name: str,
+    num_prefill: int = 1,
+    num_decode: int = 2,
+    extra_flags: dict[str, list[str]] | None = None,
+    name: str = "stack",
+):
+    """A module-scoped fixture `name` (assign it at module level: `stack = stack_fixture(...)`):
+    one `Stack` of the tiny model for the module's tests, logs under a temporary `workdir_name`
+    folder, stopped after the last of them."""
+
+    @pytest.fixture(scope="module", name=name)
+    def running_stack(tiny_model_dir, tmp_path_factory):
+        workdir = tmp_path_factory.mktemp(workdir_name)
+        stack = Stack(tiny_model_dir, workdir, num_prefill, num_decode, extra_flags).start()
+        yield stack
+        stack.stop()
+
+    return running_stack

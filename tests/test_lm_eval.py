@@ -7,9 +7,7 @@ pool idle (no lease held, no decode stream opened)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 import time
 from pathlib import Path
 
@@ -18,9 +16,8 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.registry import InstanceRegistry
 from pdserve.sampling.params import SamplingParams
-from tests.stack import Stack
+from tests.stack import Stack, stack_fixture
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -32,6 +29,7 @@ QUESTIONS = [
 GENERATE = [{"question": "Once upon a time", "answer": "x"}, {"question": "你好，世界", "answer": "y"}]
 MAX_GEN_TOKS = 6
 BUSY = ("running", "waiting", "held", "receiving", "incoming")
+DECODE_STREAMS = "pdserve:decode_requests_total"  # the router's count, over every decode instance
 
 
 def task_files(folder: Path) -> Path:
@@ -53,11 +51,7 @@ def task_files(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    s = Stack(tiny_model_dir, tmp_path_factory.mktemp("stack"), num_prefill=1, num_decode=1).start()
-    yield s
-    s.stop()
+stack = stack_fixture("lm-eval", num_prefill=1, num_decode=1)
 
 
 @pytest.fixture(scope="module")
@@ -128,26 +122,13 @@ def test_lm_eval_local_completions(
         assert sample["resps"][0][0] == want
 
 
-def decode_requests(stack: Stack) -> float:
-    """The router's count of decode streams it opened, over every decode instance."""
-    text = httpx.get(f"{stack.url}/metrics").text
-    return sum(
-        float(v) for v in re.findall(r"^pdserve:decode_requests_total\{.*\} ([0-9.e+-]+)$", text, re.M)
-    )
-
-
-async def instance_loads(stack: Stack) -> list[dict]:
-    async with InstanceRegistry(stack.redis.url, password=stack.redis.password) as registry:
-        return [i.load for role in ("prefill", "decode") for i in await registry.instances(role)]
-
-
 def test_max_tokens_zero_returns_the_prompt_logprobs_and_holds_nothing(
     stack: Stack, offline: LLMEngine
 ) -> None:
     prompt = "The quick brown fox jumps over the lazy dog"
     ids = offline.tokenizer.encode(prompt)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
-    decoded_before = decode_requests(stack)
+    decoded_before = stack.metric(DECODE_STREAMS)
     answer = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()
     choice = answer["choices"][0]
     assert choice["text"] == prompt and choice["finish_reason"] == "length"
@@ -161,7 +142,7 @@ def test_max_tokens_zero_returns_the_prompt_logprobs_and_holds_nothing(
     # nothing is held for a decode instance: every pool idle as soon as the instances report
     deadline = time.monotonic() + 5
     while True:
-        loads = asyncio.run(instance_loads(stack))
+        loads = list(stack.instance_loads().values())
         # idle: nothing running, queued, held under a lease or arriving, and every KV page free
         # but those the prefix cache keeps (its checkpoints hold state slots: not a lease's)
         idle = [
@@ -173,4 +154,4 @@ def test_max_tokens_zero_returns_the_prompt_logprobs_and_holds_nothing(
             break
         assert time.monotonic() < deadline, f"pools not idle: {loads}"
         time.sleep(0.1)
-    assert decode_requests(stack) == decoded_before, "no decode stream may open for max_tokens 0"
+    assert stack.metric(DECODE_STREAMS) == decoded_before, "no decode stream may open for max_tokens 0"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import openai
 import pytest
 
@@ -18,7 +17,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.registry import InstanceRegistry
 from pdserve.rpc import RpcClient
 from tests.helpers import random_prompts
-from tests.stack import Stack
+from tests.stack import Stack, stack_fixture
 from tests.test_prefix_routing import warm_cache_of
 
 TURNS = 6
@@ -29,12 +28,8 @@ GREEDY = {"max_tokens": ANSWER_TOKENS, "temperature": 0, "extra_body": {"ignore_
 SHORT = {**GREEDY, "max_tokens": 12}
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    # default flags: the prefix cache is on (Stack adds --enable-prefix-caching to prefill only)
-    s = Stack(tiny_model_dir, tmp_path_factory.mktemp("conversation"), num_prefill=2, num_decode=2).start()
-    yield s
-    s.stop()
+# default flags: the prefix cache is on (Stack adds --enable-prefix-caching to prefill only)
+stack = stack_fixture("conversation", num_prefill=2, num_decode=2)
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +41,6 @@ def offline(tiny_model_dir) -> LLM:
 
 def client_of(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
-
-
-def metric(stack: Stack, name: str) -> float:
-    lines = httpx.get(f"{stack.url}/metrics").text.splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
-
-
-async def instance_loads(stack: Stack) -> dict[str, dict]:
-    async with InstanceRegistry(stack.redis.url) as registry:
-        return {
-            i.instance_id: i.load for role in ("prefill", "decode") for i in await registry.instances(role)
-        }
 
 
 def offline_conversation(offline: LLM, system: list[int], messages: list[list[int]]) -> list:
@@ -81,7 +64,7 @@ def test_conversation_reuses_every_previous_answer(stack: Stack, offline: LLM) -
     turns = offline_conversation(offline, system, messages)
     client = client_of(stack)
     previous = None
-    pulls_before = metric(stack, "pdserve:prefix_pull_hints_total")
+    pulls_before = stack.metric("pdserve:prefix_pull_hints_total")
     for turn, (prompt, expected) in enumerate(turns):
         reply = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
         assert reply.choices[0].text == expected, f"turn {turn + 1} differs from offline"
@@ -89,8 +72,8 @@ def test_conversation_reuses_every_previous_answer(stack: Stack, offline: LLM) -
         if previous is not None:
             assert cached >= 0.95 * previous, f"turn {turn + 1}: {cached} cached of {previous}"
         previous = len(prompt) + ANSWER_TOKENS
-    assert metric(stack, "pdserve:prefix_pull_hints_total") - pulls_before >= TURNS - 1
-    loads = asyncio.run(instance_loads(stack))
+    assert stack.metric("pdserve:prefix_pull_hints_total") - pulls_before >= TURNS - 1
+    loads = stack.instance_loads()
     peer = sum(
         load["prefix_cache"]["hit_tokens"]["peer"] for load in loads.values() if "prefix_cache" in load
     )
@@ -128,16 +111,16 @@ def test_redis_outage_costs_the_cache_not_the_requests(stack: Stack) -> None:
         assert client.completions.create(model="tiny", prompt=other, **SHORT).choices[0].text
     finally:
         stack.redis.start()
-    routed = metric(stack, "pdserve:prefix_routed_requests_total")
+    routed = stack.metric("pdserve:prefix_routed_requests_total")
     deadline = time.monotonic() + 20
     while True:  # instances re-register and re-publish their entries: cache-aware routing is back
         reply = client.completions.create(model="tiny", prompt=prompt + [7, 8, 9], **SHORT)
-        back = metric(stack, "pdserve:prefix_routed_requests_total") > routed
+        back = stack.metric("pdserve:prefix_routed_requests_total") > routed
         if back and reply.usage.prompt_tokens_details.cached_tokens >= 128:
             break
         assert time.monotonic() < deadline, "cache-aware routing did not come back with Redis"
         time.sleep(0.5)
-    while len(asyncio.run(instance_loads(stack))) < 4:  # every instance is registered again
+    while len(stack.instance_loads()) < 4:  # every instance is registered again
         assert time.monotonic() < deadline + 10, "instances did not re-register"
         time.sleep(0.3)
 
@@ -159,7 +142,7 @@ def test_pools_idle_after_a_cache_clear(stack: Stack) -> None:
     assert len(cleared) == 4 and sum(cleared.values()) > 0, cleared
     deadline = time.monotonic() + 10
     while True:
-        loads = asyncio.run(instance_loads(stack))
+        loads = stack.instance_loads()
         busy = {
             name: load
             for name, load in loads.items()
