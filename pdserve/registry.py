@@ -7,9 +7,10 @@ Key space (namespace `ns`, "pdserve" by default):
 
 An instance registers itself and then refreshes its key with `heartbeat_forever` (carrying its
 current load) until it stops; one that crashes or hangs simply expires. The router reads
-`instances(role)` to pick where a request goes. The prefix keys are filled by the prefix cache
-later: the instance that saves a prefix checkpoint claims its block hash with
-`set_prefix_owner`, and the router asks `prefix_owners` which instance holds a prompt's blocks.
+`instances(role)` to pick where a request goes. The prefix keys name which instance holds each
+prefix-cache entry: an instance writes its new ones after the step that made them
+(`set_prefix_owners`, from pdserve.prefix_publishing) and all of them every heartbeat, and the
+router asks `prefix_owners` which instance holds a prompt's blocks.
 
 `RedisServer` (`pdserve.redis_server`, importable from here too) starts a private
 `redis-server` on a free loopback port (used by `pdserve up` without a Redis URL, and by tests).

@@ -9,8 +9,7 @@ Checks:
   ("\\ud800"), which the tokenizer and the UTF-8 encoder of every answer choke on, so such a body
   is a 400;
 - `check_token_ids`: token ids (prompt, stop_token_ids, logit_bias, ...) must lie in the
-  tokenizer's vocabulary;
-- `choice_seed`: choice j of n of a seeded request gets seed + j, wrapped within int64.
+  tokenizer's vocabulary.
 """
 
 from __future__ import annotations
@@ -34,11 +33,6 @@ _SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, a surrogate left
 
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-
-
-def choice_seed(seed: int, choice: int) -> int:
-    """The seed of choice `choice` of a seeded request: seed + choice, wrapped within int64."""
-    return (seed + choice - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def lone_surrogate_at(data: Any) -> str | None:
