@@ -67,11 +67,18 @@ async def serve(host: EngineHost) -> asyncio.Task:
 
 
 async def generate(host: EngineHost, prompt: list[int], max_tokens: int) -> list[str]:
-    """Run one request to its end; the keys the host claims then (its snapshot is up to date)."""
+    """Run one request to its end; the keys the host claims then (its snapshot is up to date).
+
+    The engine's state is read on its thread, between steps: read from here, mid-step, it can
+    show no work (the step in flight taken out, the request ended) and no entry yet."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     await host.thread.call(host.engine.add_request, prompt, params)
     cache = host.engine.prefix_cache
-    while host.engine.has_unfinished() or set(host.prefix_keys()) != set(cache.published_keys()):
+
+    def settled() -> bool:
+        return not host.engine.has_unfinished() and set(host.prefix_keys()) == set(cache.published_keys())
+
+    while not await host.thread.call(settled):
         await asyncio.sleep(0.002)
     return host.prefix_keys()
 
