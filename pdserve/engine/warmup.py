@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.sampling.grammar import tokenizer_grammars
 from pdserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,5 +56,7 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
     while cache is not None and cache.evict_one():  # warm-up prompts are nobody's prefix
         pass
     if engine.tokenizer is not None:  # structured outputs' view of the vocabulary (~3 s, once)
+        from pdserve.sampling.grammar import tokenizer_grammars  # xgrammar (and transformers): 0.9 s
+
         tokenizer_grammars(engine.tokenizer)
         progress(f"warm-up: grammar tokenizer ready ({time.monotonic() - start:.0f} s)")
