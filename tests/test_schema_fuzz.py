@@ -35,7 +35,7 @@ from tests.schema_narrowing import narrow_requests
 
 MODEL = "tiny-fuzz"
 MAX_MODEL_LEN = 32  # also bounds what a request without max_tokens costs
-MAX_EXAMPLES = 40
+MAX_EXAMPLES = 25  # a fixed corpus (derandomized); 40 took 57 s of the 2-core CI machine
 SEED = 6
 FUZZ = settings(
     max_examples=MAX_EXAMPLES,

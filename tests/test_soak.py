@@ -39,7 +39,7 @@ from tests.soak_traffic import Outcome, client_loops
 from tests.stack import Stack
 
 CLIENTS = 64
-SOAK_S = 120.0
+SOAK_S = 100.0  # with the fuzzing below, the module stays at about 3 minutes (issue 6)
 WARMUP_S = 40.0
 QUEUE_TIMEOUT_S = 20.0
 HANG_S = QUEUE_TIMEOUT_S + 40.0  # + a 48-token generation queued behind 64 clients at decode
