@@ -73,9 +73,12 @@ class PeerReads:
     ) -> bool:
         """Start reading `agent`'s units (`peer`: its name for the transfer agent) into ours;
         `on_done(handle)` or `on_failed(why)` is called on the engine thread when it ends (at
-        once, with False, when it cannot start)."""
+        once, with False, when it cannot start: also when a read of that id is still in flight,
+        e.g. a request aborted mid-READ and sent here again, whose caller then frees what it
+        allocated for this one)."""
         if transfer_id in self.reads:
-            raise ValueError(f"a read {transfer_id!r} is already in flight")
+            on_failed(f"cannot start the READ: a read {transfer_id!r} is still in flight")
+            return False
         try:
             handle = self.host.agent.pull(peer, transfer_id, remote_units, local_units)
         except Exception as e:  # a bad answer or a peer gone: this read only

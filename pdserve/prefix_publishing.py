@@ -68,6 +68,15 @@ class PrefixPublisher:
                 return
 
     async def run(self) -> None:
+        """Publish until cancelled; then the host no longer waits on this publisher (a request
+        finishing while the service drains is not held back for a write that cannot come)."""
+        try:
+            await self._publish_forever()
+        finally:
+            if self.host.publisher is self:
+                self.host.publisher = None
+
+    async def _publish_forever(self) -> None:
         next_full = time.monotonic()
         while True:
             self._changed.clear()  # before reading the keys: a change after it wakes us again

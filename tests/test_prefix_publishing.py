@@ -108,7 +108,8 @@ def test_new_entries_are_published_at_once_and_only_then(tiny_model_dir, redis: 
             assert await owned(redis, keys, within_s=0.5) < 0.5
             # what the decode role waits for before a last token: the keys are there, no polling
             keys = await generate(host, random_prompts((90,), seed=8)[0], max_tokens=4)
-            await host.prefix_published(host.prefix_snapshot()[0])
+            assert host.publisher is not None  # its own bound (50 ms) aside: no polling needed
+            await host.publisher.published(host.prefix_snapshot()[0], timeout_s=5.0)
             await owned(redis, keys, within_s=0.0)
             # a long generation: many steps, entries made at its prompt's end and at its end only
             before = writes()
@@ -140,7 +141,8 @@ def test_redis_away_never_stalls_the_engine_and_keys_come_back(tiny_model_dir, r
             keys = await generate(host, random_prompts((75,), seed=7)[0], max_tokens=16)
             assert time.monotonic() - start < 3 * baseline + 0.5, "the engine waited on Redis"
             start = time.monotonic()
-            await host.prefix_published(host.prefix_snapshot()[0])  # a last token is not held back
+            assert host.publisher is not None  # Redis failing: no wait at all, whatever the bound
+            await host.publisher.published(host.prefix_snapshot()[0], timeout_s=5.0)
             assert time.monotonic() - start < 0.2
             redis.start()  # empty: every key the host holds comes back at a beat
             await owned(redis, keys, within_s=5.0)
