@@ -47,7 +47,10 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode (vLLM's flag)
     enable_prefix_caching: bool = True  # the hybrid prefix cache (docs/prefix-cache.md), as vLLM
     prefix_block_size: int = 64  # tokens per cache block (a multiple of page_size)
-    num_prefix_checkpoints: int = 32  # GDN state checkpoints kept on the device
+    # GDN state checkpoints kept on the device (~61 MiB each at the full shape); None: on a GPU
+    # two for every sequence that can run (a prompt's and an answer's: a conversation of each
+    # keeps its next turn's start there), 32 on a CPU
+    num_prefix_checkpoints: int | None = None
     # the prefix cache's pinned host tier for entries evicted from the device, MiB (0: none);
     # None: 4,096 on a GPU, 16 on a CPU (the same code path, a small pool)
     snapshot_pool_mb: int | None = None
@@ -88,6 +91,10 @@ class EngineConfig:
             raise ValueError("snapshot_pool_mb must be >= 0")
         if not self.enable_prefix_caching:
             self.snapshot_pool_mb = 0
+        if self.num_prefix_checkpoints is None:
+            self.num_prefix_checkpoints = 2 * self.max_num_seqs if self.device.startswith("cuda") else 32
+        if self.num_prefix_checkpoints <= 0:
+            raise ValueError("num_prefix_checkpoints must be positive")
         if self.num_state_slots is None:
             extra = self.num_prefix_checkpoints if self.enable_prefix_caching else 0
             self.num_state_slots = self.max_num_seqs + extra

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from pdserve.config import ModelConfig
-from pdserve.memory import GdnStatePool, KvPagePool
+from pdserve.memory import GdnStatePool, HostTier, KvPagePool
 
 CFG = ModelConfig(
     vocab_size=100,
@@ -64,3 +66,64 @@ def test_state_pool_slots_are_zeroed_when_allocated() -> None:
     pool.allocate()
     with pytest.raises(MemoryError):
         pool.allocate()
+
+
+def host_tier_of(device: str) -> tuple[HostTier, KvPagePool, GdnStatePool]:
+    kv = KvPagePool(CFG, num_pages=6, page_size=4, dtype=torch.float32, device=device)
+    states = GdnStatePool(
+        CFG, num_slots=3, conv_dtype=torch.float32, recurrent_dtype=torch.float32, device=device
+    )
+    return HostTier(kv, states, budget_bytes=1 << 20, typical_tokens=8), kv, states
+
+
+def fill_random(kv: KvPagePool, states: GdnStatePool) -> None:
+    for pool in (kv.kv, states.conv, states.recurrent):
+        pool.copy_(torch.randn(pool.shape, device=pool.device))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_host_tier_round_trip(device: str) -> None:
+    """An entry stored on the host tier comes back bit for bit into other pages and slot; each
+    host unit is one contiguous block (what lets a GPU copy run without the host waiting)."""
+    tier, kv, states = host_tier_of(device)
+    fill_random(kv, states)
+    pages, slot = [4, 1], 2
+    want = (kv.kv[:, :, pages].clone(), states.conv[:, slot].clone(), states.recurrent[:, slot].clone())
+    host_pages, host_ck = tier.store(pages, slot)
+    assert all(tier.kv[h].is_contiguous() for h in host_pages) and tier.recurrent[host_ck].is_contiguous()
+    fill_random(kv, states)  # the device copies are overwritten
+    tier.load(host_pages, host_ck, [0, 5], 1)
+    got = (kv.kv[:, :, [0, 5]], states.conv[:, 1], states.recurrent[:, 1])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    tier.free(host_pages, host_ck)
+    assert (tier.num_free_pages, tier.num_free_checkpoints) == (tier.num_pages, tier.num_checkpoints)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_tier_store_does_not_wait_for_the_stream() -> None:
+    """Behind 200 ms of queued GPU work, a store returns at once (it queues its copies): a
+    layer-major host pool made torch copy through pageable memory, synchronously."""
+    tier, kv, states = host_tier_of("cuda")
+    fill_random(kv, states)
+    want = states.recurrent[:, 0].cpu()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(200e-3 * 1.5e9))  # ~200 ms of spinning at ~1.5 GHz
+    start = time.perf_counter()
+    host_pages, host_ck = tier.store([0, 1], 0)
+    queued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    waited = time.perf_counter() - start
+    assert queued < 0.05 < waited, (queued, waited)
+    assert torch.equal(tier.recurrent[host_ck], want)
+    tier.free(host_pages, host_ck)

@@ -122,11 +122,18 @@ def test_eviction_keeps_reused_entries_and_pinned_ones(cached_llm: LLM) -> None:
     for p in prompts:
         cached_llm.generate(p, SamplingParams(max_tokens=1))
     entries = list(cache.entries.values())
-    entries[0].hits = 3  # the oldest was reused: the next oldest goes first
-    pinned = cache.pin(entries[1].key)
+    ends = [e for e in entries if e.kind == "end"]
+    answers = [e for e in entries if e.kind == "decode"]  # each prompt's, one token on
+    assert len(ends) == len(answers) == 4
+    assert cache.evict_one()  # an answer's entry nobody reused goes first, the oldest
+    assert answers[0].key not in cache.entries and all(e.key in cache.entries for e in ends)
+    for answer in answers[1:]:
+        answer.hits = 1
+    ends[0].hits = 3  # the oldest was reused: the next oldest goes first
+    pinned = cache.pin(ends[1].key)
     assert cache.evict_one()
-    assert entries[0].key in cache.entries and entries[1].key in cache.entries
-    assert entries[2].key not in cache.entries
+    assert ends[0].key in cache.entries and ends[1].key in cache.entries
+    assert ends[2].key not in cache.entries
     cache.clear()
     assert list(cache.entries.values()) == [pinned], "a pinned entry outlives a clear"
     cache.unpin(pinned)

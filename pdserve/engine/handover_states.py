@@ -75,8 +75,9 @@ class HandoverStates:
         if lease is None or lease.lease_id != lease_id:
             return None
         del self.held[request_id]
-        if self.prefix_cache is not None:  # its prompt's final state, before decoding moves it on
-            self.prefix_cache.save(lease.seq, "end")
+        cache = self.prefix_cache  # its prompt's final state, before decoding moves it on
+        if cache is not None and cache.wants_end_checkpoint(lease.seq):
+            cache.save(lease.seq, "end")
         lease.seq.status = SequenceStatus.RUNNING
         lease.seq.handoff = False
         self.running.append(lease.seq)

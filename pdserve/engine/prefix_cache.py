@@ -50,6 +50,9 @@ class _SeqKeys:
     keys: list[bytes] = field(default_factory=list)
 
 
+NEAR_TOKENS = 4  # an end checkpoint this close to one the prompt made is not worth its slot
+
+
 class PrefixCache(PrefixEntryStore):
     def __init__(
         self,
@@ -150,6 +153,7 @@ class PrefixCache(PrefixEntryStore):
         self.checkpoints.restore(entry.checkpoint, seq.state_slot)
         seq.num_computed_tokens = entry.num_tokens
         seq.num_cached_tokens = entry.num_tokens
+        seq.restored_from = entry
         entry.hits += 1
         self.stats.hit(entry.next_source, entry.num_tokens)
         entry.next_source = "gpu"
@@ -158,6 +162,7 @@ class PrefixCache(PrefixEntryStore):
         seq.block_table = self.kv_pool.allocate(len(entry.pages))
         self.host.load(entry.pages, entry.checkpoint, seq.block_table, seq.state_slot)
         seq.num_computed_tokens = seq.num_cached_tokens = entry.num_tokens
+        seq.restored_from = entry
         entry.hits += 1
         self.stats.hit("host", entry.num_tokens)
 
@@ -175,6 +180,7 @@ class PrefixCache(PrefixEntryStore):
         self.kv_pool.share(pages)
         checkpoint = self.checkpoints.save(seq.state_slot)
         self._add(CacheEntry(key, parent, tail, n, pages, checkpoint, self.seq_block_keys(seq, n), kind))
+        self.supersede(seq, n)
         return True
 
     def adopt(self, seq: Sequence, kind: str) -> bool:
@@ -193,7 +199,26 @@ class PrefixCache(PrefixEntryStore):
         pages, slot = seq.block_table[:keep], seq.state_slot
         seq.block_table, seq.state_slot = [], None
         self._add(CacheEntry(key, parent, tail, n, pages, slot, self.seq_block_keys(seq, n), kind))
+        self.supersede(seq, n)
         return True
+
+    def supersede(self, seq: Sequence, num_tokens: int) -> None:
+        """`seq` made an entry of `num_tokens` tokens. The entry it started from, if only it ever
+        reused that one (a conversation's previous turn), is now a link its conversation has moved
+        past: it goes back to never-reused and least recent, the first to make room (entries
+        reused by several sequences are branch points and keep their count)."""
+        seq.last_checkpoint = num_tokens
+        old, seq.restored_from = seq.restored_from, None
+        if isinstance(old, CacheEntry) and old.hits == 1 and self.entries.get(old.key) is old:
+            old.hits = 0
+            self.entries.move_to_end(old.key, last=False)
+
+    def wants_end_checkpoint(self, seq: Sequence) -> bool:
+        """Whether the exact end of `seq`'s prompt is worth a checkpoint copy of its own: not when
+        it made one within `NEAR_TOKENS` tokens of it (the resume point before a generation
+        prompt such as `<think>\n`: a prompt extending this one reuses that and recomputes the
+        few tokens between)."""
+        return seq.num_computed_tokens - seq.last_checkpoint > NEAR_TOKENS
 
     def insert_pulled(
         self,

@@ -14,6 +14,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 EVICTED_MEMORY = 4096  # keys of recently evicted entries (and their blocks)
+# Entries that go first while never reused, the oldest first: an answer's (a template that drops
+# the reasoning never reuses it, and one that keeps it still finds the prompt's checkpoint below
+# it) and a chunk's; then the resume and branch points where conversations' next turns start.
+EVICT_FIRST = ("decode", "chunk")
 
 
 @dataclass(slots=True, eq=False)
@@ -96,12 +100,16 @@ class EntryIndex:
         return any(key in self.evicted for key in keys)
 
     def victim(self, keep: CacheEntry | None, only_unused: bool, tier: str = "gpu") -> CacheEntry | None:
-        """Who goes next from `tier`: among the older half of its entries (but `keep` and pinned
-        ones), the one reused least, then the oldest; `only_unused`: only one never reused."""
+        """Who goes next from `tier` (but `keep` and pinned ones): the oldest never-reused entry
+        of an `EVICT_FIRST` kind, else among the older half of its entries the one reused least,
+        then the oldest; `only_unused`: only one never reused."""
         candidates = [e for e in self.entries.values() if e.tier == tier and e is not keep and e.pins == 0]
         if only_unused:
             candidates = [e for e in candidates if e.hits == 0]
         if not candidates:
             return None
+        first = next((e for e in candidates if e.hits == 0 and e.kind in EVICT_FIRST), None)
+        if first is not None:
+            return first
         older = candidates[: (len(candidates) + 1) // 2]
         return min(older, key=lambda e: e.hits)  # min keeps the first (oldest) of equals

@@ -28,6 +28,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV and GDN state are in the pools
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     checkpoint_at: int | None = None  # prefix cache: save the GDN state when this many are computed
+    last_checkpoint: int = 0  # prefix cache: tokens of the latest entry made from this sequence
+    restored_from: object | None = None  # prefix cache: the CacheEntry it started from, until it
+    # makes an entry further along (then that one stands for it: `PrefixCache.supersede`)
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
     finish_reason: str | None = None

@@ -1,15 +1,20 @@
 """The prefix cache's host tier: pinned host memory, allocated at start, for the checkpoints and
 KV pages of entries evicted from the device (`--snapshot-pool-mb`).
 
-Two pools in the state and KV pools' own layouts, so an entry moves with one copy per page and
-one per state tensor: `conv` [layers, checkpoints, ...], `recurrent` [layers, checkpoints, ...],
-`kv` [layers, 2, pages, page_size, Hkv, D]. The budget is split between checkpoints and pages
-in proportion to what one entry of `typical_tokens` tokens needs.
+Pools unit-major, so each host unit (a checkpoint, a page) is one contiguous block of pinned
+memory: `conv` [checkpoints, layers, ...], `recurrent` [checkpoints, layers, ...], `kv` [pages,
+layers, 2, page_size, Hkv, D]; an entry moves with one copy per page and one per state tensor.
+The budget is split between checkpoints and pages in proportion to what one entry of
+`typical_tokens` tokens needs.
 
 Copies are stream-ordered: on a GPU they go out (device -> pinned host) and come back (pinned
 host -> device) with `non_blocking=True` on the engine's stream, after the passes that wrote
-the memory and before those that read it again, so the host thread never waits on them; on a
-CPU they are plain copies (the same code path, with a small pool).
+the memory and before those that read it again, so the host thread never waits on them. That
+needs the host side contiguous: a device unit spans every layer (strided), and torch copies a
+strided unit through a temporary in the destination's layout, which on the host would be
+pageable memory and a synchronous copy (it held the engine thread 22% of a c=32 run on the
+H200 when these pools were layer-major). On a CPU they are plain copies (the same code path,
+with a small pool).
 """
 
 from __future__ import annotations
@@ -62,18 +67,18 @@ class HostTier:
         host_ck = self._free_checkpoints.pop()
         pinned = self.kv.is_pinned()
         for page, host in zip(pages, host_pages, strict=True):
-            self.kv[:, :, host].copy_(self.kv_pool.kv[:, :, page], non_blocking=pinned)
-        self.conv[:, host_ck].copy_(self.states.conv[:, slot], non_blocking=pinned)
-        self.recurrent[:, host_ck].copy_(self.states.recurrent[:, slot], non_blocking=pinned)
+            self.kv[host].copy_(self.kv_pool.kv[:, :, page], non_blocking=pinned)
+        self.conv[host_ck].copy_(self.states.conv[:, slot], non_blocking=pinned)
+        self.recurrent[host_ck].copy_(self.states.recurrent[:, slot], non_blocking=pinned)
         return host_pages, host_ck
 
     def load(self, host_pages: list[int], host_ck: int, pages: list[int], slot: int) -> None:
         """Copy an entry back into device pages `pages` and state slot `slot`."""
         pinned = self.kv.is_pinned()
         for host, page in zip(host_pages, pages, strict=True):
-            self.kv_pool.kv[:, :, page].copy_(self.kv[:, :, host], non_blocking=pinned)
-        self.states.conv[:, slot].copy_(self.conv[:, host_ck], non_blocking=pinned)
-        self.states.recurrent[:, slot].copy_(self.recurrent[:, host_ck], non_blocking=pinned)
+            self.kv_pool.kv[:, :, page].copy_(self.kv[host], non_blocking=pinned)
+        self.states.conv[:, slot].copy_(self.conv[host_ck], non_blocking=pinned)
+        self.states.recurrent[:, slot].copy_(self.recurrent[host_ck], non_blocking=pinned)
 
     def free(self, host_pages: list[int], host_ck: int) -> None:
         if host_ck in self._free_checkpoints:
@@ -88,5 +93,6 @@ def _unit_bytes(pool: torch.Tensor, unit_dim: int) -> int:
 
 
 def _like(pool: torch.Tensor, unit_dim: int, units: int, pin: bool) -> torch.Tensor:
-    shape = (*pool.shape[:unit_dim], units, *pool.shape[unit_dim + 1 :])
+    """`units` host units of `pool`'s unit (its index `unit_dim`), unit-major: [units, the rest]."""
+    shape = (units, *pool.shape[:unit_dim], *pool.shape[unit_dim + 1 :])
     return torch.empty(shape, dtype=pool.dtype, device="cpu", pin_memory=pin)

@@ -1,0 +1,57 @@
+"""Prefix cache eviction under pressure from many conversations (issue 9): with more
+conversations than device checkpoints, what each conversation's next turn needs (the resume
+point before its generation prompt, with a template that drops the reasoning) outlives the
+answers' entries nobody reuses and the links a conversation has moved past; a prompt's exact
+end, two tokens after its resume point, takes no checkpoint of its own."""
+
+from __future__ import annotations
+
+from pdserve import LLM, SamplingParams
+from tests.helpers import assert_no_leaks, random_prompts
+from tests.offline_llms import tiny_llm
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SUFFIX = (248068, 198)  # `<think>\n` in the Qwen3.6 vocabulary: a generation prompt's end
+CONVERSATIONS, TURNS, NEW = 4, 4, 24
+CHECKPOINTS = CONVERSATIONS + 1  # a resume point each, and room for one more
+
+
+def test_conversations_keep_their_resume_points_over_answers(tiny_model_dir) -> None:
+    llm: LLM = tiny_llm(tiny_model_dir, num_prefix_checkpoints=CHECKPOINTS)
+    cache = llm.engine.prefix_cache
+    cache.configure_host_tier(0)  # the device alone: eviction drops
+    cache.resume_suffixes = [SUFFIX]
+    bodies = random_prompts([96] * CONVERSATIONS, seed=61)
+    for turn in range(TURNS):
+        news = random_prompts([NEW] * CONVERSATIONS, seed=62 + turn)
+        for c in range(CONVERSATIONS):  # the conversations' turns interleave, as served
+            prompt = bodies[c] + list(SUFFIX)
+            out = llm.generate(prompt, GREEDY)[0]
+            if turn:  # everything before the previous generation prompt came from the cache
+                assert out.num_cached_tokens == len(bodies[c]) - NEW, (turn, c)
+            bodies[c] = bodies[c] + news[c]  # the answer dropped, a new user message
+        # each conversation holds one live resume point; the answers' entries went first
+        assert sum(e.kind == "resume" for e in cache.entries.values()) == CONVERSATIONS
+    cache.clear()
+    assert_no_leaks(llm.engine)
+
+
+def test_an_end_next_to_a_resume_point_takes_no_checkpoint(cached_llm: LLM) -> None:
+    cache = cached_llm.engine.prefix_cache
+    cache.resume_suffixes = [SUFFIX]
+    try:
+        (body,) = random_prompts([90], seed=63)
+        engine = cached_llm.engine
+        seq = engine.requests[engine.add_request(body + list(SUFFIX), GREEDY, request_id="r")]
+        while seq.num_computed_tokens < seq.num_prompt_tokens:
+            cached_llm.engine.step()
+        assert seq.last_checkpoint == len(body), "the resume point was checkpointed"
+        assert not cache.wants_end_checkpoint(seq)
+        seq.last_checkpoint = 0  # a prompt with no checkpoint near its end wants one
+        assert cache.wants_end_checkpoint(seq)
+    finally:
+        cached_llm.engine.abort("r")
+        while cached_llm.engine.has_unfinished():
+            cached_llm.engine.step()
+        cache.resume_suffixes = []
+        cache.clear()
