@@ -32,6 +32,7 @@ ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--max-num-batched-tokens": ("max_num_batched_tokens", int),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
     "--snapshot-pool-mb": ("snapshot_pool_mb", int),
+    "--num-prefix-checkpoints": ("num_prefix_checkpoints", int),
 }
 # on/off flags (`--x` / `--no-x`; unset: the EngineConfig default) -> EngineConfig field
 ENGINE_SWITCHES: dict[str, str] = {
@@ -51,6 +52,8 @@ _HELP = {
     "--gpu-memory-utilization": "share of GPU memory the process may use, in (0, 1]",
     "--snapshot-pool-mb": "pinned host memory for prefix-cache entries evicted from the device "
     "(default 4096 on GPU, 16 on CPU; 0: none)",
+    "--num-prefix-checkpoints": "GDN state checkpoints the prefix cache keeps on the device, ~61 MiB "
+    "each at the full shape (default: 2 x --max-num-seqs on GPU, 32 on CPU)",
 }
 
 
