@@ -1,6 +1,7 @@
 """`pdserve bench-long` against the shared live router (its max_model_len is 128): short streams
 decode the whole run, each long prompt is answered and timed, and the streams' gaps are split
-into the baseline window and each long prompt's prefill window."""
+into the baseline window and each long prompt's prefill window. Nothing it sends reaches the
+prefix cache's 64-token entries, so the shared engine still ends with every page free."""
 
 from __future__ import annotations
 
@@ -23,13 +24,13 @@ def test_long_prompts_beside_short_streams(server: str) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(
-        ["--url", server, "--model", MODEL, "--long", "60", "110", "--streams", "2"]
+        ["--url", server, "--model", MODEL, "--long", "30", "50", "--streams", "2"]
         + ["--stream-prompt-len", "8", "--stream-tokens", "40", "--baseline-s", "1.5", "--gap-s", "0.2"]
     )
     result = asyncio.run(run_bench(args))
     assert result["stream_errors"] == []
     assert result["baseline"]["gaps"] > 10 and result["baseline"]["itl_p50_ms"] > 0
-    assert [r["prompt_tokens"] for r in result["long"]] == [60, 110]
+    assert [r["prompt_tokens"] for r in result["long"]] == [30, 50]
     for r in result["long"]:
         assert r["error"] is None and 0 < r["ttft_s"] < 30
         assert r["prefill_tok_s"] == r["prompt_tokens"] / r["ttft_s"]
