@@ -209,7 +209,7 @@ class PrefixCache(PrefixEntryStore):
         reused by several sequences are branch points and keep their count)."""
         seq.last_checkpoint = num_tokens
         old, seq.restored_from = seq.restored_from, None
-        if isinstance(old, CacheEntry) and old.hits == 1 and self.entries.get(old.key) is old:
+        if old is not None and old.hits == 1 and self.entries.get(old.key) is old:
             old.hits = 0
             self.entries.move_to_end(old.key, last=False)
 

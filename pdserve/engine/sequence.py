@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.sampling.params import SamplingParams
 from pdserve.sampling.sampler import SamplingState
+
+if TYPE_CHECKING:
+    from pdserve.engine.prefix_index import CacheEntry
 
 
 class SequenceStatus(enum.Enum):
@@ -29,8 +33,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     checkpoint_at: int | None = None  # prefix cache: save the GDN state when this many are computed
     last_checkpoint: int = 0  # prefix cache: tokens of the latest entry made from this sequence
-    restored_from: object | None = None  # prefix cache: the CacheEntry it started from, until it
-    # makes an entry further along (then that one stands for it: `PrefixCache.supersede`)
+    # prefix cache: the entry it started from, until it makes one further along (then that one
+    # stands for it: `PrefixCache.supersede`)
+    restored_from: CacheEntry | None = None
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
     finish_reason: str | None = None
