@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench_requests import COMPLETIONS, carries_text, one_line, request_body
+from pdserve.bench_requests import COMPLETIONS, RequestFailure, timed_request
 from pdserve.bench_serve import percentile
 
 
@@ -41,35 +41,19 @@ class StreamLog:
         ]
 
 
-async def stream_once(client: httpx.AsyncClient, url: str, body: dict, arrivals: list[float]) -> str | None:
-    """Send one streaming request, appending each text chunk's arrival; the error, if any."""
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            return f"HTTP {response.status_code}: {one_line(text)}"
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return f"error event: {one_line(str(chunk['error'].get('message')))}"
-                if carries_text(chunk):
-                    arrivals.append(time.perf_counter())
-    return None
-
-
 async def short_stream(
     client: httpx.AsyncClient, args: argparse.Namespace, seed: int, log: StreamLog
 ) -> None:
     rng = random.Random(seed)
-    url = args.url.rstrip("/") + COMPLETIONS
     while True:  # until cancelled
         prompt = [rng.randrange(1000, 100_000) for _ in range(args.stream_prompt_len)]
         arrivals: list[float] = []
         log.requests.append(arrivals)
-        body = request_body(COMPLETIONS, args.model, prompt, args.stream_tokens)
-        error = await stream_once(client, url, body, arrivals)
-        if error:
-            log.errors.append(error)
+        done = await timed_request(
+            client, args.url, COMPLETIONS, args.model, prompt, args.stream_tokens, arrivals
+        )
+        if isinstance(done, RequestFailure):
+            log.errors.append(done.error)
             await asyncio.sleep(1.0)
 
 
@@ -78,12 +62,13 @@ async def long_request(client: httpx.AsyncClient, args: argparse.Namespace, leng
     prompt = [rng.randrange(1000, 100_000) for _ in range(length)]
     arrivals: list[float] = []
     start = time.perf_counter()
-    body = request_body(COMPLETIONS, args.model, prompt, args.long_output_tokens)
-    error = await stream_once(client, args.url.rstrip("/") + COMPLETIONS, body, arrivals)
+    done = await timed_request(
+        client, args.url, COMPLETIONS, args.model, prompt, args.long_output_tokens, arrivals
+    )
     first = arrivals[0] if arrivals else time.perf_counter()
     return {
         "prompt_tokens": length,
-        "error": error,
+        "error": done.error if isinstance(done, RequestFailure) else None,
         "sent": start,
         "first_token": first,
         "ttft_s": first - start,

@@ -104,11 +104,14 @@ async def timed_request(
     model: str,
     prompt: list[int] | str,
     output_len: int,
+    arrivals: list[float] | None = None,
 ) -> RequestTiming | RequestFailure:
-    """Send one streaming request and time it; whatever goes wrong is a RequestFailure."""
+    """Send one streaming request and time it; whatever goes wrong is a RequestFailure.
+    `arrivals`, when given, gets each text chunk's arrival time as it comes (a caller watching
+    the stream live)."""
     body = request_body(endpoint, model, prompt, output_len)
     start = time.perf_counter()
-    arrivals: list[float] = []
+    arrivals = [] if arrivals is None else arrivals
     usage: dict = {}
     try:
         async with client.stream("POST", base_url.rstrip("/") + endpoint, json=body) as response:

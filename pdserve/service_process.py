@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from pdserve.prefix_publishing import PrefixPublisher
 from pdserve.registry import InstanceInfo
@@ -33,37 +34,19 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
 
 
-async def run_service(
-    config: ServiceConfig,
-    host: EngineHost,
-    servers: dict[str, RpcServer],
-    on_ready: Callable[[dict[str, str]], None] | None = None,
-) -> None:
-    """Serve `servers` (role -> server) until SIGINT/SIGTERM (or cancellation); `on_ready`
-    gets role -> address once registered. Roles after the first listen on the next ports."""
-    instance_id, heartbeat_s = config.instance_id, config.heartbeat_s
-    host.start()
+async def listen(config: ServiceConfig, servers: dict[str, RpcServer]) -> dict[str, str]:
+    """Start each role's server (roles after the first on the next ports): role -> the address
+    other processes dial."""
+    advertised = advertised_host(config.host, config.advertise_host)
     addresses: dict[str, str] = {}
     for i, (role, server) in enumerate(servers.items()):
         port = config.port + i if config.port else 0
-        bound = await server.start(config.host, port)
-        addresses[role] = join_host_port(advertised_host(config.host, config.advertise_host), bound)
-    registry = host.registry
-    started = time.time()
+        addresses[role] = join_host_port(advertised, await server.start(config.host, port))
+    return addresses
 
-    def info_of(role: str) -> Callable[[], InstanceInfo]:
-        def info() -> InstanceInfo:
-            return InstanceInfo(
-                role=role,
-                instance_id=instance_id,
-                address=addresses[role],
-                load=host.load(),
-                started_at=started,
-                extra=host.extra(),
-            )
 
-        return info
-
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets (in the main thread; elsewhere only cancellation stops)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -71,38 +54,79 @@ async def run_service(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    tasks: list[asyncio.Task] = []
+    return stop
+
+
+class Registration:
+    """Each role's entry in Redis, kept alive by a heartbeat (TTL 3 beats), and the prefix keys
+    the host holds, published beside them. Nothing is done without a registry."""
+
+    def __init__(self, config: ServiceConfig, host: EngineHost, addresses: dict[str, str]) -> None:
+        self.config, self.host, self.addresses = config, host, addresses
+        self.registry = host.registry
+        self.started = time.time()
+        self.tasks: list[asyncio.Task] = []
+
+    def info(self, role: str) -> InstanceInfo:
+        return InstanceInfo(
+            role=role,
+            instance_id=self.config.instance_id,
+            address=self.addresses[role],
+            load=self.host.load(),
+            started_at=self.started,
+            extra=self.host.extra(),
+        )
+
+    async def start(self) -> None:
+        if self.registry is None:
+            return
+        beat, ttl = self.config.heartbeat_s, 3 * self.config.heartbeat_s
+        for role in self.addresses:
+            await self.registry.register(self.info(role), ttl_s=ttl)
+            beats = self.registry.heartbeat_forever(partial(self.info, role), interval_s=beat, ttl_s=ttl)
+            self.tasks.append(asyncio.create_task(beats))
+        publisher = PrefixPublisher(self.registry, self.host, self.config.instance_id, beat)
+        self.tasks.append(asyncio.create_task(publisher.run()))  # new keys at once
+
+    async def stop(self) -> None:
+        """Routers stop picking this instance: the heartbeats end and every role's entry goes."""
+        for task in self.tasks:
+            task.cancel()
+        if self.registry is None:
+            return
+        for role in self.addresses:
+            try:
+                await self.registry.deregister(role, self.config.instance_id)
+            except Exception as e:  # Redis gone: our key expires by its TTL anyway
+                log.warning("could not deregister %s %s: %s", role, self.config.instance_id, e)
+        await self.registry.close()
+
+
+async def run_service(
+    config: ServiceConfig,
+    host: EngineHost,
+    servers: dict[str, RpcServer],
+    on_ready: Callable[[dict[str, str]], None] | None = None,
+) -> None:
+    """Serve `servers` (role -> server) until SIGINT/SIGTERM (or cancellation); `on_ready`
+    gets role -> address once registered."""
+    host.start()
+    addresses = await listen(config, servers)
+    stop = stop_on_signals()
+    registration = Registration(config, host, addresses)
+    roles = "+".join(servers)
     try:
-        if registry is not None:
-            for role in servers:
-                await registry.register(info_of(role)(), ttl_s=3 * heartbeat_s)
-                tasks.append(
-                    asyncio.create_task(
-                        registry.heartbeat_forever(
-                            info_of(role), interval_s=heartbeat_s, ttl_s=3 * heartbeat_s
-                        )
-                    )
-                )
-            publisher = PrefixPublisher(registry, host, instance_id, heartbeat_s)  # new keys at once
-            tasks.append(asyncio.create_task(publisher.run()))
-        log.info("%s %s serving on %s", "+".join(servers), instance_id, addresses)
+        await registration.start()
+        log.info("%s %s serving on %s", roles, config.instance_id, addresses)
         if on_ready is not None:
             on_ready(addresses)
         await stop.wait()
     finally:
-        for task in tasks:
-            task.cancel()
-        if registry is not None:
-            for role in servers:
-                try:
-                    await registry.deregister(role, instance_id)
-                except Exception as e:  # Redis gone: our key expires by its TTL anyway
-                    log.warning("could not deregister %s %s: %s", role, instance_id, e)
-            await registry.close()
+        await registration.stop()
         for server in servers.values():  # deregistered: open streams get shutdown_timeout_s to end
             await server.stop(grace=config.shutdown_timeout_s)
         host.stop()
-        log.info("%s %s stopped", "+".join(servers), instance_id)
+        log.info("%s %s stopped", roles, config.instance_id)
 
 
 def service_main(

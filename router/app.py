@@ -61,7 +61,8 @@ def create_app(
     chat_parsing: ChatParsingConfig | None = None,
     api: ApiOptions | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into.
+    """The OpenAI-compatible app over `backend`; pass the `metrics` the backend registered into
+    (default: a fresh set labelled with the first served name).
     `served_model_name`: one name or several (each accepted in `model`; answers carry the first).
     `admission` (router.admission): the API keys (when any, every `/v1/` route wants one as
     `Authorization: Bearer <key>`, as vLLM's `--api-key`; /health and /metrics stay open), the
@@ -71,7 +72,7 @@ def create_app(
     names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
     if not names:
         raise ValueError("at least one served model name is needed")
-    metrics = metrics or RouterMetrics()
+    metrics = metrics or RouterMetrics(model_name=names[0])  # labelled as `pdserve router` labels it
     admission = admission or AdmissionConfig()
     drain = drain or Drain()
     chat_parsing = chat_parsing or ChatParsingConfig()
