@@ -3,22 +3,29 @@
 Prefills a set of prompts together (one packed pass), each alone, and chunked under a small
 token budget, holding each request's memory (as the prefill service does for a transfer) so
 the final GDN conv/recurrent states and KV pages can be read back; prints the largest relative
-difference of the logits and of every state, and fails above the tolerance. Run it on a GPU
-after changing a kernel.
+difference of the logits and of every state, and fails above the tolerance. Then the prefix
+cache's checkpoints (the pack check): the same prompts, each ending with a generation prompt
+whose start is a resume point, prefilled packed and one at a time with the cache on; every
+checkpoint (its resume point mid-prompt, its end) must hold the same state either way. Run it
+on a GPU after changing a kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.prefix_index import CacheEntry
 from pdserve.sampling.params import SamplingParams
 from pdserve.sampling.sampler import SamplerOutput
 
 STATE_KEYS = ("logits", "conv", "recurrent", "kv")
+CHECKPOINT_KEYS = ("conv", "recurrent")
+RESUME_SUFFIX_LEN = 8  # the pack check's generation prompt: a resume point 8 tokens before each end
 
 
 @dataclass(slots=True)
@@ -87,6 +94,70 @@ def relative_differences(a: PrefillState, b: PrefillState) -> dict[str, float]:
     return out
 
 
+@dataclass(slots=True)
+class Checkpoint:
+    """A prefix-cache entry's GDN state, read back from its checkpoint slot."""
+
+    kind: str
+    num_tokens: int
+    conv: torch.Tensor  # [num_gdn_layers, conv_dim, kernel - 1]
+    recurrent: torch.Tensor  # [num_gdn_layers, Hv, Dk, Dv]
+
+
+def checkpoint_states(
+    engine: LLMEngine, prompts: list[list[int]], resume_suffix: tuple[int, ...], packed: bool
+) -> dict[bytes, Checkpoint]:
+    """Prefill `prompts` (each ending with `resume_suffix`, taken as a generation prompt: a
+    resume point) with the prefix cache on, all at once (`packed`) or one at a time, from an
+    empty cache; every checkpoint the cache then holds, by entry key."""
+    cache = engine.prefix_cache
+    if cache is None:
+        raise ValueError("the checkpoint pack check needs the prefix cache on")
+    saved = cache.resume_suffixes
+    cache.clear()
+    cache.resume_suffixes = [resume_suffix]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    try:
+        for batch in [prompts] if packed else [[p] for p in prompts]:
+            for p in batch:
+                engine.add_request(p, params)
+            while engine.has_unfinished():
+                engine.step()
+        found = {e.key: read_checkpoint(engine, e) for e in cache.entries.values()}
+    finally:
+        cache.clear()
+        cache.resume_suffixes = saved
+    return found
+
+
+def read_checkpoint(engine: LLMEngine, entry: CacheEntry) -> Checkpoint:
+    if entry.tier != "gpu":
+        raise ValueError(f"checkpoint of {entry.num_tokens} tokens went to the host tier: use fewer prompts")
+    states = engine.runner.state_pool
+    conv, recurrent = states.conv[:, entry.checkpoint], states.recurrent[:, entry.checkpoint]
+    return Checkpoint(entry.kind, entry.num_tokens, _copy(conv), _copy(recurrent))
+
+
+def checkpoint_differences(
+    packed: dict[bytes, Checkpoint], alone: dict[bytes, Checkpoint]
+) -> dict[str, float]:
+    """The largest relative difference of each state over checkpoints both runs took; a
+    checkpoint that only one run took is a ValueError (packing moved where the cache saved)."""
+    if packed.keys() != alone.keys():
+        only = sorted(
+            (c.kind, c.num_tokens)
+            for k, c in {**packed, **alone}.items()
+            if k not in packed.keys() & alone.keys()
+        )
+        raise ValueError(f"packed and alone took different checkpoints (kind, tokens): {only}")
+    out = dict.fromkeys(CHECKPOINT_KEYS, 0.0)
+    for key, a in alone.items():
+        for name in CHECKPOINT_KEYS:
+            x, y = getattr(packed[key], name), getattr(a, name)
+            out[name] = max(out[name], (x - y).abs().max().item() / max(1.0, y.abs().max().item()))
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the embedded tiny model)")
     parser.add_argument("--device", default="cpu")
@@ -101,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.tiny import default_model_dir
 
     model = args.model or str(default_model_dir())
-    llm = LLM(model, device=args.device, dtype=args.dtype, max_model_len=max(args.lengths) + 16)
+    llm = LLM(
+        model, device=args.device, dtype=args.dtype, max_model_len=max(args.lengths) + 16 + RESUME_SUFFIX_LEN
+    )
     vocab = min(llm.engine.model_config.vocab_size, 200_000)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in args.lengths]
@@ -115,6 +188,18 @@ def run(args: argparse.Namespace) -> int:
             diffs = relative_differences(got, alone)
             worst = max(worst, *diffs.values())
             print(f"{len(prompt):>8} {name:>18} " + " ".join(f"{diffs[k]:>10.2e}" for k in STATE_KEYS))
+    if llm.engine.prefix_cache is not None:
+        suffix = tuple(torch.randint(0, vocab, (RESUME_SUFFIX_LEN,), generator=gen).tolist())
+        with_suffix = [p + list(suffix) for p in prompts]
+        alone = checkpoint_states(llm.engine, with_suffix, suffix, packed=False)
+        diffs = checkpoint_differences(checkpoint_states(llm.engine, with_suffix, suffix, packed=True), alone)
+        worst = max(worst, *diffs.values())
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(c.kind for c in alone.values()).items()))
+        print(f"{len(alone)} checkpoints packed vs alone ({kinds}):")
+        print(
+            f"{'all':>8} {'checkpoints':>18} "
+            + " ".join(f"{diffs[k]:>10.2e}" if k in diffs else f"{'-':>10}" for k in STATE_KEYS)
+        )
     ok = worst <= args.tolerance
     verdict = "PASS" if ok else "FAIL"
     print(f"{verdict}: largest relative difference {worst:.2e} (tolerance {args.tolerance:.0e})")

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.check import checkpoint_differences, checkpoint_states
 from tests.helpers import assert_no_leaks, random_prompts
 
 pytestmark = pytest.mark.gpu
+CUDA_FP32 = {"device": "cuda", "dtype": "float32", "max_model_len": 512, "num_kv_pages": 256}
 
 
 def first_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
@@ -69,22 +71,8 @@ def test_cuda_graph_decode_equals_eager(tiny_model_dir) -> None:
     """Decode by graph replay (padded batch sizes, reserved padding page/slot) equals eager decode."""
     prompts = random_prompts((3, 30, 70, 5, 11), seed=9)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    eager = LLM(
-        str(tiny_model_dir),
-        device="cuda",
-        dtype="float32",
-        max_model_len=512,
-        num_kv_pages=256,
-        enforce_eager=True,
-    )
-    graphs = LLM(
-        str(tiny_model_dir),
-        device="cuda",
-        dtype="float32",
-        max_model_len=512,
-        num_kv_pages=256,
-        max_num_seqs=8,
-    )
+    eager = LLM(str(tiny_model_dir), **CUDA_FP32, enforce_eager=True)
+    graphs = LLM(str(tiny_model_dir), **CUDA_FP32, max_num_seqs=8)
     assert graphs.engine.runner.graphs is not None
     replays = []
     replay = graphs.engine.runner.graphs.replay
@@ -103,13 +91,7 @@ def test_cuda_prefix_cache_matches_uncached(tiny_model_dir) -> None:
     prefix = random_prompts((150,), seed=31)[0]
     first = prefix + [11, 12, 13]
     second = first + [21, 22, 23, 24]  # a continuation: restores the checkpoint at first's end
-    kwargs = {
-        "device": "cuda",
-        "dtype": "float32",
-        "max_model_len": 512,
-        "num_kv_pages": 256,
-        "max_num_seqs": 4,
-    }
+    kwargs = {**CUDA_FP32, "max_num_seqs": 4}
     plain = LLM(str(tiny_model_dir), enable_prefix_caching=False, **kwargs)
     cached = LLM(str(tiny_model_dir), enable_prefix_caching=True, **kwargs)
     cached.generate(first, SamplingParams(max_tokens=1))
@@ -119,3 +101,18 @@ def test_cuda_prefix_cache_matches_uncached(tiny_model_dir) -> None:
     assert out.num_cached_tokens == len(first) and len(out.token_ids) == 16
     cached.engine.prefix_cache.clear()
     assert_no_leaks(cached.engine)
+
+
+def test_cuda_checkpoints_packed_equal_alone(tiny_model_dir) -> None:
+    """Issue 9's pack check on the GPU: packed and one at a time (fla's varlen chunked scan,
+    the checkpoint copies on the engine's stream), every checkpoint holds the same GDN state."""
+    suffix = tuple(random_prompts((8,), seed=40)[0])
+    prompts = [p + list(suffix) for p in random_prompts((70, 129, 200, 333), seed=42)]
+    kw = {**CUDA_FP32, "max_num_seqs": 4, "num_prefix_checkpoints": 16}  # 12 checkpoints: all on the device
+    llm = LLM(str(tiny_model_dir), **kw, enable_prefix_caching=True)
+    alone = checkpoint_states(llm.engine, prompts, suffix, packed=False)
+    packed = checkpoint_states(llm.engine, prompts, suffix, packed=True)
+    assert {c.kind for c in alone.values()} == {"resume", "end", "decode"}
+    for name, diff in checkpoint_differences(packed, alone).items():
+        assert diff <= 1e-3, f"{name} of a checkpoint differs by {diff:.2e} packed"
+    assert_no_leaks(llm.engine)

@@ -4,7 +4,7 @@ GDN checkpoint) equals the same request computed from scratch; entries are evict
 from __future__ import annotations
 
 from pdserve import LLM, SamplingParams
-from pdserve.check import prefill_states, relative_differences
+from pdserve.check import checkpoint_differences, checkpoint_states, prefill_states, relative_differences
 from tests.helpers import assert_no_leaks, random_prompts
 from tests.offline_llms import tiny_llm
 
@@ -84,6 +84,22 @@ def test_packed_burst_with_a_shared_prefix_equals_uncached(cached_llm: LLM, plai
     again = cached_llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in again] == expected
     assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in prompts]
+
+
+def test_checkpoints_packed_equal_alone(cached_llm: LLM) -> None:
+    """The pack check: prompts ending with a generation prompt (a resume point 8 tokens before
+    each end), prefilled packed and one at a time, take the same checkpoints with the same GDN
+    states (a resume point mid-pass, each end, each answer's)."""
+    suffix = tuple(random_prompts((8,), seed=40)[0])
+    prompts = [p + list(suffix) for p in random_prompts((70, 129, 200), seed=41)]
+    alone = checkpoint_states(cached_llm.engine, prompts, suffix, packed=False)
+    packed = checkpoint_states(cached_llm.engine, prompts, suffix, packed=True)
+    expected = [("resume", len(p) - 8) for p in prompts] + [("end", len(p)) for p in prompts]
+    expected += [("decode", len(p) + 1) for p in prompts]  # the answer's token too (one step ahead)
+    assert sorted((c.kind, c.num_tokens) for c in alone.values()) == sorted(expected)
+    for name, diff in checkpoint_differences(packed, alone).items():
+        assert diff <= 1e-4, f"{name} of a checkpoint differs by {diff:.2e} packed"
+    assert not cached_llm.engine.prefix_cache.entries, "the check leaves the cache empty"
 
 
 def test_entries_are_evicted_under_memory_pressure(tiny_model_dir, plain_llm: LLM) -> None:
