@@ -3,7 +3,9 @@
 A request joins the burst of the prefill instance that caches its prompt's longest prefix
 (Redis prefix keys, `router.prefix_route`), or the burst for any instance; when a decode
 instance caches a longer prefix still (it generated the conversation's previous turn), the
-request names it (`GenerateItem.prefix_source`) and the prefill instance may pull it. A burst
+request names it (`GenerateItem.prefix_source`) and the prefill instance may pull it. So it does
+when the burst goes elsewhere because the prefill instance holding the prefix is too busy
+(`InstanceSet.pick`'s slack): the one taking it may pull from the busy one. A burst
 goes out as one `prefill` stream when it is full or `window_s` after its first request. Each
 request's `PrefillResult` settles its future as soon as it arrives. A prefill instance that
 fails before a request's first token has that request sent once more, to another instance. A
@@ -27,7 +29,7 @@ from router.backend import GenerateRequest
 from router.disagg_metrics import DisaggMetrics
 from router.errors import BackendError
 from router.instances import InstanceSet, NoInstanceError
-from router.prefix_route import prefix_holders
+from router.prefix_route import Holder, prefix_holders
 
 log = logging.getLogger("pdserve.router")
 # a prefill instance failing with these is set aside; other codes are the request's own fault
@@ -56,6 +58,7 @@ class Pending:
     future: asyncio.Future
     sent_to: InstanceInfo | None = None  # the prefill instance its burst went to
     tries: int = 0
+    holder: dict | None = None  # the prefill holder of its prefix, as a prefix_source (if it is busy)
 
 
 @dataclass(slots=True)
@@ -97,7 +100,7 @@ class PrefillBursts:
         if exclude:  # a retry goes alone, around the instance that failed it
             self.background.spawn(self._send_burst([pending], None, frozenset(exclude)))
         else:
-            target, item.prefix_source = await self._prefix_choice(req)
+            target, item.prefix_source, pending.holder = await self._prefix_choice(req)
             self._join(pending, target)
         try:
             return await pending.future
@@ -128,15 +131,16 @@ class PrefillBursts:
         elif pending.sent_to is not None:
             self.background.spawn(self._abort(pending.sent_to, pending.req.request_id))
 
-    async def _prefix_choice(self, req: GenerateRequest) -> tuple[str | None, dict | None]:
+    async def _prefix_choice(self, req: GenerateRequest) -> tuple[str | None, dict | None, dict | None]:
         """The live prefill instance holding the longest cached prefix of the prompt (None: route
-        by load), and the decode instance holding a longer one, as a `prefix_source` (or None)."""
+        by load); the decode instance holding a longer one, as a `prefix_source` (or None); and
+        that prefill holder's entry as a `prefix_source`, for when it is too busy to take it."""
         prefill, decode = self.instances.live["prefill"], self.instances.live["decode"]
         info = next(
             (i.extra for i in [*prefill.values(), *decode.values()] if i.extra.get("prefix_block_size")), None
         )
         if info is None or len(req.prompt_token_ids) < 2:
-            return None, None
+            return None, None, None
         live = set(prefill) | set(decode)
         try:
             holders = await prefix_holders(
@@ -148,19 +152,19 @@ class PrefillBursts:
             )
         except Exception as e:  # Redis briefly away: route by load alone
             log.warning("prefix lookup failed: %s", e)
-            return None, None
+            return None, None, None
         best_prefill = next((h for h in holders if h.instance_id in prefill), None)
         target = best_prefill.instance_id if best_prefill else None
+        holder = None if best_prefill is None else _source(prefill[target], best_prefill)
         best = holders[0] if holders else None
         if best is None or best.instance_id not in decode:
-            return target, None
+            return target, None, holder
         if best_prefill is not None and best.num_tokens <= best_prefill.num_tokens:
-            return target, None
-        agent = decode[best.instance_id].extra.get("agent")
-        if not agent:
-            return target, None
-        self.metrics.prefix_pull_hints.inc()
-        return target, {"agent": agent, "key": best.key, "num_tokens": best.num_tokens}
+            return target, None, holder
+        source = _source(decode[best.instance_id], best)
+        if source is not None:
+            self.metrics.prefix_pull_hints.inc()
+        return target, source, holder
 
     def _flush(self, target: str | None) -> None:
         burst = self._bursts.pop(target, None)
@@ -183,6 +187,11 @@ class PrefillBursts:
             return _fail(batch, BackendError(str(e), 503))
         if target is not None and instance.instance_id == target:
             self.metrics.prefix_routed.inc(len(batch))
+        elif target is not None:  # the holder is too busy (or away): the one taking them may pull
+            for p in batch:
+                if p.item.prefix_source is None and p.holder is not None:
+                    p.item.prefix_source = p.holder
+                    self.metrics.prefix_pull_hints.inc()
         self.metrics.batch_size.observe(len(batch))
         waiting = {p.req.request_id: p for p in batch}
         for p in batch:
@@ -224,6 +233,12 @@ class PrefillBursts:
             await self.instances.client(prefill).unary("abort", Abort([request_id]).to_wire(), timeout=5.0)
         except RpcError as e:
             log.warning("could not abort %s on %s: %s", request_id, prefill.instance_id, e)
+
+
+def _source(instance: InstanceInfo, holder: Holder) -> dict | None:
+    """`holder`'s entry as a `GenerateItem.prefix_source` (None: the instance has no NIXL agent)."""
+    agent = instance.extra.get("agent")
+    return {"agent": agent, "key": holder.key, "num_tokens": holder.num_tokens} if agent else None
 
 
 def _settle(pending: Pending, result: PrefillResult, instance: InstanceInfo) -> None:

@@ -24,7 +24,8 @@ class DisaggMetrics:
         )
         self.prefix_pull_hints = metrics.counter(
             "prefix_pull_hints",
-            "Requests sent with a decode instance named as the holder of a longer cached prefix",
+            "Requests sent naming a peer that holds a longer cached prefix to pull (a decode "
+            "instance, or the busy prefill instance the request went around)",
         )
         self.decoded = metrics.counter(
             "decode_requests", "Requests sent to each decode instance", ["instance"]

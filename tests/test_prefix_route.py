@@ -1,6 +1,7 @@
 """The router's side of the prefix cache, against a real Redis: entries on and off block
 boundaries are found by their token ids (block keys, tail markers, exact tails), the longest
-per instance; the prefix source a burst item carries is validated."""
+per instance; a prompt whose holder is too busy goes elsewhere naming the holder to pull from;
+the prefix source a burst item carries is validated."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import asyncio
 
 import pytest
 
-from pdserve.messages import GenerateItem
+from pdserve.messages import GenerateItem, PrefillResult
 from pdserve.prefix_keys import entry_key, parents_of, tail_marker
-from pdserve.registry import InstanceRegistry, RedisServer
+from pdserve.registry import InstanceInfo, InstanceRegistry, RedisServer
+from pdserve.sampling.params import SamplingParams
+from router.backend import GenerateRequest
+from router.bursts import Background, BurstConfig, PrefillBursts
+from router.disagg_metrics import DisaggMetrics
+from router.instances import InstanceSet
 from router.metrics import RouterMetrics
 from router.prefix_metrics import PrefixCacheMetrics
 from router.prefix_route import prefix_holders
@@ -68,6 +74,54 @@ def test_a_prompt_is_never_served_whole(redis_url: str) -> None:
             return await prefix_holders(registry, prompt, BLOCK, SALT, {"p"})
 
     assert [(h.instance_id, h.num_tokens) for h in asyncio.run(run())] == [("p", 99)]
+
+
+class RecordingPrefill:
+    """A prefill instance's client that answers every request of a burst with a first token."""
+
+    def __init__(self, bursts: list[dict]) -> None:
+        self.bursts = bursts
+
+    async def stream(self, method: str, burst: dict, timeout: float):
+        self.bursts.append(burst)
+        for item in burst["requests"]:
+            yield PrefillResult(item["request_id"], token_id=1).to_wire()
+
+
+def test_a_busy_holder_is_named_for_a_pull(redis_url: str) -> None:
+    """The prefill instance caching a prompt's prefix gets it while it is at most 16 requests
+    busier than the least loaded (InstanceSet.pick); beyond that the prompt goes to the least
+    loaded one, whose item names the holder's entry as its prefix_source (it may pull it)."""
+    prompt = list(range(3000, 3150))
+
+    async def send(holder_running: int) -> tuple[str, list[dict], str]:
+        async with InstanceRegistry(redis_url, namespace=f"t3-{holder_running}", secret=None) as registry:
+            await publish(registry, "prefill-holder", entry_keys(prompt, 128))
+            metrics = RouterMetrics()
+            instances = InstanceSet(registry, metrics)
+            extra = {"prefix_block_size": BLOCK, "prefix_salt": SALT}
+            for i, (name, running) in enumerate((("prefill-holder", holder_running), ("prefill-idle", 0))):
+                load = {"running": running, "waiting": 0}
+                info = InstanceInfo(
+                    "prefill", name, f"127.0.0.1:{i + 1}", load, extra={**extra, "agent": name}
+                )
+                instances.live["prefill"][name] = info
+            sent: dict[str, list[dict]] = {}
+            instances.client = lambda info: RecordingPrefill(sent.setdefault(info.instance_id, []))
+            bursts = PrefillBursts(instances, DisaggMetrics(metrics), BurstConfig(), Background())
+            request = GenerateRequest("r", prompt, SamplingParams(max_tokens=4))
+            _, instance = await bursts.first_token(request)
+            (burst,) = sent[instance.instance_id]
+            return instance.instance_id, burst["requests"], metrics.render().decode()
+
+    chosen, (item,), text = asyncio.run(send(holder_running=16))
+    assert chosen == "prefill-holder" and item["prefix_source"] is None
+    assert "pdserve:prefix_routed_requests_total 1.0" in text
+    chosen, (item,), text = asyncio.run(send(holder_running=17))
+    assert chosen == "prefill-idle"
+    key = entry_keys(prompt, 128)[0]
+    assert item["prefix_source"] == {"agent": "prefill-holder", "key": key, "num_tokens": 128}
+    assert "pdserve:prefix_pull_hints_total 1.0" in text
 
 
 def test_prefix_source_is_validated() -> None:

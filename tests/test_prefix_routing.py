@@ -1,5 +1,6 @@
 """Prefix-aware routing: with two prefill instances, a prompt goes to the one whose cache holds
-its prefix (published in Redis), and is served from that cache."""
+its prefix (published in Redis), and is served from that cache; sent to the other one (as the
+router does when the holder is too busy) naming the holder, it is pulled from there."""
 # the prompt a warmed instance caches is a prefix of the routed one: an entry of a whole prompt
 # serves the prompts that continue it (the same prompt again must compute its last token)
 
@@ -28,29 +29,44 @@ def stack(tiny_model_dir, tmp_path_factory):
     s.stop()
 
 
-async def warm_cache_of(stack: Stack, instance_id: str, prompt: list[int]) -> None:
+async def prefill_directly(
+    stack: Stack, instance_id: str, prompt: list[int], prefix_source: dict | None = None
+) -> dict:
+    """Prefill `prompt` on one instance (not through the router) and free the hand-over; its result."""
+    async with InstanceRegistry(stack.redis.url) as registry:
+        (instance,) = [i for i in await registry.instances("prefill") if i.instance_id == instance_id]
+    client = RpcClient(instance.address, "pdserve.Prefill")
+    request = {
+        "request_id": f"direct-{len(prompt)}-{prefix_source is not None}",
+        "prompt_token_ids": prompt,
+        "params": asdict(SamplingParams(temperature=0, max_tokens=2)),
+        "prefix_source": prefix_source,
+    }
+    try:
+        (result,) = [r async for r in client.stream("prefill", {"requests": [request]}, timeout=60)]
+        assert result["lease"] is not None, result
+        release = {"request_id": request["request_id"], "lease_id": result["lease"]["lease_id"]}
+        await client.unary("release", release)
+    finally:
+        await client.close()
+    return result
+
+
+async def warm_cache_of(stack: Stack, instance_id: str, prompt: list[int]) -> dict:
     """Prefill `prompt` on one instance directly (not through the router), free the hand-over,
-    and wait until Redis names that instance as the owner of the prompt's cached prefix."""
+    and wait until Redis names that instance as the owner of the prompt's cached prefix; that
+    entry as a `prefix_source`."""
+    await prefill_directly(stack, instance_id, prompt)
     registry = InstanceRegistry(stack.redis.url)
     try:
         (instance,) = [i for i in await registry.instances("prefill") if i.instance_id == instance_id]
-        client = RpcClient(instance.address, "pdserve.Prefill")
-        request = {
-            "request_id": "warm-up",
-            "prompt_token_ids": prompt,
-            "params": asdict(SamplingParams(max_tokens=2)),
-        }
-        (result,) = [r async for r in client.stream("prefill", {"requests": [request]}, timeout=60)]
-        assert result["lease"] is not None
-        await client.unary("release", {"request_id": "warm-up", "lease_id": result["lease"]["lease_id"]})
-        await client.close()
         extra = instance.extra
         block_size, salt = extra["prefix_block_size"], extra["prefix_salt"]
         deadline = time.monotonic() + 10
         while True:  # its entry of the whole prompt is found for a prompt continuing it
             holders = await prefix_holders(registry, [*prompt, 1], block_size, salt, {instance_id})
             if holders and holders[0].num_tokens == len(prompt):
-                return
+                return {"agent": extra["agent"], "key": holders[0].key, "num_tokens": len(prompt)}
             assert time.monotonic() < deadline, "the prefix was never published"
             await asyncio.sleep(0.2)
     finally:
@@ -97,3 +113,23 @@ def test_prefix_cache_hit_equals_offline(stack: Stack, tiny_model_dir) -> None:
         cached = reply.usage.prompt_tokens_details.cached_tokens
         want = reply.usage.prompt_tokens - 1 if attempt == 2 else 0
         assert cached == want, f"attempt {attempt}: {cached} cached tokens"
+
+
+def test_a_prefill_instance_pulls_from_a_busy_holder(stack: Stack, tiny_model_dir) -> None:
+    """prefill-0 is sent a turn naming prefill-1's entry of its prefix (what the router does when
+    prefill-1 is too busy to take it): it pulls the pages and checkpoint through NIXL, and the
+    first token is the offline one."""
+    prompt = random_prompts((150,), seed=24)[0]
+    source = asyncio.run(warm_cache_of(stack, "prefill-1", prompt))
+    turn = prompt + random_prompts((20,), seed=25)[0]
+    result = asyncio.run(prefill_directly(stack, "prefill-0", turn, source))
+    assert result["num_cached_tokens"] == 150, "pulled from prefill-1, not computed"
+    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+    expected = offline.generate(turn, SamplingParams(temperature=0, max_tokens=1))[0].token_ids
+    assert [result["token_id"]] == expected
+    deadline = time.monotonic() + 5  # the instances' counters reach the router with their load
+    while (
+        'pdserve:prefix_cache_pulls_total{outcome="done"} 1.0' not in httpx.get(f"{stack.url}/metrics").text
+    ):
+        assert time.monotonic() < deadline, "the pull is not counted in the router's /metrics"
+        time.sleep(0.3)
