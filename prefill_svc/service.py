@@ -149,8 +149,16 @@ class PrefillService(ServiceRole):
                     lease=lease,
                 )
             )
-        if results:
-            self._post(results)
+        finished = [r for r in results if r.finished]
+        if finished:  # once their entries are in Redis: a next turn sent at once finds them
+            version = self.host.prefix_snapshot()[0]
+            asyncio.run_coroutine_threadsafe(self._post_published(finished, version), self._loop)
+        if len(finished) < len(results):
+            self._post([r for r in results if not r.finished])
+
+    async def _post_published(self, results: list[PrefillResult], version: int) -> None:
+        await self.host.prefix_published(version)
+        self._deliver(results)
 
     def on_error(self, request_ids: list[str], message: str) -> None:
         failed = [rid for rid in request_ids if self._seqs.pop(rid, None) is not None]

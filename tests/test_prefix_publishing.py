@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.registry import InstanceRegistry, RedisServer
-from pdserve.rpc import RpcServer
+from pdserve.rpc import RpcClient, RpcServer
 from pdserve.sampling.params import SamplingParams
 from pdserve.service_process import run_service
 from pdserve.serving import EngineHost, ServiceConfig
@@ -146,6 +147,44 @@ def test_redis_away_never_stalls_the_engine_and_keys_come_back(tiny_model_dir, r
             assert time.monotonic() - start < 0.2
             redis.start()  # empty: every key the host holds comes back at a beat
             await owned(redis, keys, within_s=5.0)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_an_answer_ending_at_its_first_token_waits_for_its_entry(tiny_model_dir, redis: RedisServer) -> None:
+    """A request that finishes on the prefill instance (max_tokens 1, no decode) is answered once
+    its entry's keys are in Redis, as a decode instance's last token is. Redis is made slow
+    (0.3 s a write) and the wait's bound long, so an answer sent before the write would show."""
+    from prefill_svc.server import prefill_server
+    from prefill_svc.service import PrefillService
+
+    async def scenario() -> None:
+        host = host_of(tiny_model_dir, redis, heartbeat_s=60.0)
+        registry, write = host.registry, host.registry.set_prefix_owners
+
+        async def slow(*args, **kwargs) -> None:
+            await asyncio.sleep(0.3)
+            await write(*args, **kwargs)
+
+        registry.set_prefix_owners = slow
+        ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        servers = {"prefill": prefill_server(PrefillService(host))}
+        task = asyncio.create_task(run_service(host.config, host, servers, on_ready=ready.set_result))
+        try:
+            address = (await asyncio.wait_for(ready, 30))["prefill"]
+            assert host.publisher is not None
+            host.publisher.published = partial(host.publisher.published, timeout_s=5.0)
+            client = RpcClient(address, "pdserve.Prefill")
+            request = {"request_id": "one", "prompt_token_ids": PROMPT, "params": {"max_tokens": 1}}
+            (result,) = [r async for r in client.stream("prefill", {"requests": [request]}, timeout=30)]
+            await client.close()
+            assert result["finished"] and result["lease"] is None
+            keys = await host.thread.call(host.prefix_keys)
+            assert keys, "the finished request left an entry"
+            await owned(redis, keys, within_s=0.0)  # already there when the answer came
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
