@@ -105,12 +105,12 @@ def test_min_p_never_samples_below_threshold() -> None:
 
 def test_penalties_hand_computed() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
-    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     reqs = states(p, prompt=[0], output=[1, 3, 3])
     got = apply_penalties(logits.clone(), SamplingTensors.from_requests(reqs, 5, logits.device))
     # token 0 (prompt): 2/2; 1: -1*2 - 0.5 - 0.25; 2: untouched; 3: 3/2 - 2*0.5 - 0.25; 4: untouched
     assert torch.allclose(got, torch.tensor([[1.0, -2.75, 0.5, 0.25, -2.0]]))
-    assert Sampler().sample(logits, reqs).token_ids.item() == 0 != logits.argmax().item()
+    assert Sampler().sample(logits, reqs).token_ids.item() == 0 != logits.argmax().item()  # greedy, penalised
     only_rep = states(SamplingParams(repetition_penalty=0.5), prompt=[4], output=[2])
     got = apply_penalties(logits.clone(), SamplingTensors.from_requests(only_rep, 5, logits.device))
     assert torch.allclose(got, torch.tensor([[2.0, -1.0, 1.0, 3.0, -1.0]]))

@@ -9,14 +9,17 @@ One step, on the logits' device, with per-request knobs gathered into [B] tensor
      (output tokens only, OpenAI's formula); then min_tokens masks eos and stop_token_ids
   3. logprobs come from the RAW logits (before steps 1-2), as vLLM returns them by default
   4. greedy rows (temperature 0) take the argmax of the constrained, penalised logits
-  5. the other rows: temperature -> min-p -> top-k -> top-p -> exponential race
-     (argmax of probs / q with q ~ Exp(1), which draws from probs); min-p before top-k/top-p
-     as vLLM orders them: with probabilities [.4, .3, .2, .1], min_p .3 and top_p .75 keep
-     tokens 0 and 1 only
+  5. the other rows: temperature -> min-p -> top-k -> top-p -> a draw from the probabilities;
+     min-p before top-k/top-p as vLLM orders them: with probabilities [.4, .3, .2, .1], min_p
+     .3 and top_p .75 keep tokens 0 and 1 only. On a GPU the draw is the exponential race
+     (argmax of probs / q with q ~ Exp(1)), as vLLM's; on a CPU, where an exponential for each
+     of the 248k vocabulary entries cost more than the model's step (117 ms for 16 rows, half
+     of a served tiny model's engine time), the inverse CDF: one uniform a row, searched in the
+     float64 cumulative sum. Both draw exactly from the probabilities.
 
-The only per-request loop is the draw of q for seeded rows: each uses its own
-`torch.Generator`, kept by the caller in its `SamplingState` across steps, so a seeded
-request samples the same tokens whatever else shares its batch.
+The only per-request loop is the draw for seeded rows: each uses its own `torch.Generator`,
+kept by the caller in its `SamplingState` across steps, so a seeded request samples the same
+tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -48,7 +51,12 @@ def replay_draws(state: SamplingState, vocab_size: int, num_tokens: int, device:
     if state.generator is None or state.params.greedy:
         return
     for _ in range(num_tokens):
-        torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=state.generator)
+        if torch.device(device).type == "cpu":
+            torch.rand(1, dtype=torch.float64, generator=state.generator)  # as _draw_inverse_cdf
+        else:
+            torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(
+                generator=state.generator
+            )
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -256,6 +264,8 @@ class Sampler:
     def _sample_random(logits: Tensor, t: SamplingTensors) -> Tensor:
         logits = apply_min_p(logits / t.temperature.unsqueeze(1), t.min_p)
         probs = apply_top_k_top_p(logits, t.top_k, t.top_p, t.max_top_k).softmax(dim=-1)
+        if probs.device.type == "cpu":
+            return _draw_inverse_cdf(probs, t.seeded)
         q = torch.empty_like(probs)
         if len(t.seeded) < q.shape[0]:
             q.exponential_()
@@ -263,3 +273,15 @@ class Sampler:
             q[row].exponential_(generator=generator)
         # An exact 0 draw would make 0/0 = NaN, which argmax takes for the largest value.
         return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def _draw_inverse_cdf(probs: Tensor, seeded: list[tuple[int, torch.Generator]]) -> Tensor:
+    """A token of each row drawn from `probs` [B, V] by its inverse CDF: the first token whose
+    cumulative probability exceeds u * total, u ~ U[0, 1) (a seeded row's from its generator).
+    A token of probability 0 is never drawn (the sum does not grow there)."""
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64)
+    for row, generator in seeded:
+        u[row] = torch.rand(1, dtype=torch.float64, generator=generator)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return drawn.clamp_(max=probs.shape[1] - 1).squeeze(1)
