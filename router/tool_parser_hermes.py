@@ -4,11 +4,14 @@
     {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
     </tool_call>
 
-The object is scanned a character at a time (strings, escapes, nesting), so the name is
-reported once its string closes and an object or array `arguments` value is streamed as the
-model writes it: the arguments string is that JSON text exactly. An `arguments` given as a JSON
-string holding the object is decoded; `parameters` is read like `arguments`; no arguments is
-`{}`. A block that is not a JSON object with a string `name` is dropped.
+The object is scanned a character at a time (strings, escapes, nesting): the arguments string
+is the JSON text the model wrote for an object `arguments` exactly. An `arguments` given as a
+JSON string holding the object is decoded; `parameters` is read like `arguments`; no arguments
+is `{}`. A call is reported when its block ends, name and arguments together, and only when the
+arguments are a JSON object and the name a string: any other block (cut off by max_tokens,
+broken JSON, no name) is content, its text as the model wrote it, as vLLM's hermes parser
+answers (a client's `json.loads(arguments)` never fails on what we send). The price: a hermes
+call's arguments are not streamed as they form (qwen3_coder's are).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import json
 
 from router.stream_text import partial_tag_length
-from router.tool_parsers import TOOL_CALL_END, Event, ToolParser
+from router.tool_parsers import TOOL_CALL_END, TOOL_CALL_START, Event, ToolParser
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -33,22 +36,36 @@ class HermesCall:
         self.name: str | None = None
         self.arguments_state = "none"  # -> "streaming" (an object or array value) -> "done"
         self.pending: list[str] = []  # argument text read before the name was known
+        self.held: list[Event] = []  # the call's events, until its block ends and is checked
+        self.raw: list[str] = [TOOL_CALL_START]  # the block's text as the model wrote it
 
     def parse(self, text: str, final: bool) -> tuple[int, list[Event], bool]:
         end = text.find(TOOL_CALL_END)
         stop = end if end >= 0 else len(text) - (0 if final else partial_tag_length(text, (TOOL_CALL_END,)))
-        events: list[Event] = []
+        events = self.held
         for char in text[:stop]:
             self._read(char, events)
         if end < 0 and not final:
             self._flush_arguments(events)
-            return stop, events, False
+            self.raw.append(text[:stop])
+            return stop, [], False
         if self.mode == "value" and self.depth == 0 and not self.in_string:  # a literal at the end
             self._value_done(events)
         if self.name is not None and self.arguments_state == "none":
             events.append(("arguments", "{}"))
         self._flush_arguments(events)
-        return (len(text) if end < 0 else end + len(TOOL_CALL_END)), events, True
+        used = len(text) if end < 0 else end + len(TOOL_CALL_END)
+        self.raw.append(text[:used])
+        return used, self._checked(), True
+
+    def _checked(self) -> list[Event]:
+        """The call (its name, then its arguments), or the block's text as content."""
+        arguments = "".join(value for kind, value in self.held if kind == "arguments")
+        try:
+            valid = self.name is not None and isinstance(json.loads(arguments), dict)
+        except ValueError:
+            valid = False
+        return [("name", self.name), ("arguments", arguments)] if valid else [("text", "".join(self.raw))]
 
     def _flush_arguments(self, events: list[Event]) -> None:
         if self.name is not None and self.pending:

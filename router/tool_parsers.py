@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from router.stream_text import TrimmedText, find_first, partial_tag_length
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-Event = tuple[str, str]  # ("name", function name) | ("arguments", a piece of the arguments JSON)
+# ("name", function name) | ("arguments", a piece of the arguments JSON) | ("text", content)
+Event = tuple[str, str]
 
 
 def new_call_id() -> str:
@@ -127,7 +128,9 @@ class ToolParser:
             self._body = None
 
     def _emit(self, out: ToolParse, kind: str, value: str) -> None:
-        if kind == "name":
+        if kind == "text":  # a block its format did not take as a call: content as written
+            out.content += self._content.add(value)
+        elif kind == "name":
             if self.parallel or not self.calls:
                 self._current = ToolCall(new_call_id(), value)
                 self.calls.append(self._current)

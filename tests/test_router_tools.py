@@ -79,7 +79,10 @@ def test_tool_call_parsed(scripted_routers: ScriptedRouters, parser: str, call: 
         ("get_weather", tool_call.function.arguments)
     ]
     with_args = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(with_args) > 2  # the arguments came in pieces, as they formed
+    if parser == "qwen3_coder":
+        assert len(with_args) > 2  # the arguments came in pieces, as they formed
+    else:
+        assert len(with_args) == 1  # hermes: the call once its block closed and its JSON checked
 
 
 def test_parallel_tool_calls(scripted_routers: ScriptedRouters) -> None:

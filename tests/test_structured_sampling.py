@@ -208,3 +208,22 @@ def test_constrained_requests_in_a_batch_leave_the_others_identical(tiny_model_d
     assert mixed["con-0"][2] == "stop" and mixed["con-1"][2] == "stop"
     jsonschema.validate(json.loads(mixed["con-0"][1]), SCHEMA)
     assert mixed["con-1"][1] in ("red", "green")
+
+
+def test_json_strings_refuse_raw_control_characters() -> None:
+    """xgrammar's rule for a length-bounded string lets a raw tab through, which json.loads
+    refuses (a tab sampled into `"hobbies": ["ab\tc"]` failed a served answer): our grammar
+    refuses it, bounded or not, and still takes the escaped form where xgrammar does."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from pdserve.sampling.grammar import json_schema_grammar
+
+    bounded = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}, "required": ["a"]}
+    free = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    assert accepts(xgr.Grammar.from_json_schema(json.dumps(bounded)), '{"a": "a\tb"}'), "xgrammar's own"
+    for schema in (bounded, free):
+        grammar = json_schema_grammar(json.dumps(schema), True)
+        assert not accepts(grammar, '{"a": "a\tb"}') and not accepts(grammar, '{"a": "a\x01"}')
+        assert accepts(grammar, '{"a": "ab"}')
+    assert accepts(json_schema_grammar(json.dumps(free), True), '{"a": "a\\tb"}')

@@ -106,10 +106,10 @@ class TokenizerGrammars:
         try:
             if kind == "json":
                 schema = value if isinstance(value, str) else json.dumps(value)
-                return self.compiler.compile_json_schema(schema, strict_mode=True, **whitespace)
+                return self.compiler.compile_grammar(json_schema_grammar(schema, True, **whitespace))
             if kind == "json_object":
-                return self.compiler.compile_json_schema(
-                    '{"type": "object"}', strict_mode=False, **whitespace
+                return self.compiler.compile_grammar(
+                    json_schema_grammar('{"type": "object"}', False, **whitespace)
                 )
             if kind == "regex":
                 return self.compiler.compile_regex(value)
@@ -128,6 +128,19 @@ class TokenizerGrammars:
         """Does the prompt end in `tag` (whitespace after it aside)?"""
         tail = self.tokenizer.decode(list(prompt_ids[-16:]), skip_special_tokens=False)
         return tail.rstrip().endswith(tag)
+
+
+# xgrammar's rule for the characters of a string with a length bound (maxLength, minLength)
+LAX_STRING_CHARACTER = '[^\\"\\\\\\r\\n]'
+STRICT_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def json_schema_grammar(schema: str, strict_mode: bool, **whitespace: Any) -> xgr.Grammar:
+    """xgrammar's grammar of a JSON schema, its strings refusing raw control characters: its rule
+    for the characters of a string with a length bound lets a tab or U+0001 through unescaped,
+    which RFC 8259 forbids and `json.loads` refuses (its unbounded strings already refuse them)."""
+    grammar = xgr.Grammar.from_json_schema(schema, strict_mode=strict_mode, **whitespace)
+    return xgr.Grammar.from_ebnf(str(grammar).replace(LAX_STRING_CHARACTER, STRICT_STRING_CHARACTER))
 
 
 def tokenizer_grammars(tokenizer: Tokenizer) -> TokenizerGrammars:
