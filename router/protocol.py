@@ -105,6 +105,12 @@ class OpenAIRequest(BaseModel):
         if (where := lone_surrogate_at(data)) is not None:
             raise ValueError(f"{where} is not valid Unicode (a lone surrogate)")
         refuse_unsupported(data, cls.endpoint)  # an OpenAIError: pydantic passes it on as it is
+        if (
+            isinstance(data, dict)
+            and data.get("stream_options") is not None
+            and data.get("stream") is not True
+        ):
+            raise OpenAIError("stream_options can only be set when stream is true", param="stream_options")
         return data
 
     @property

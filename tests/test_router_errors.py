@@ -62,6 +62,14 @@ CHAT_OK = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
         ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "vocabulary"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**9], "stream": True}, 400, "vocabulary"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens must be"),
+        # vLLM's 400 too: usage options for a stream that is not one
+        (
+            "/v1/chat/completions",
+            {**CHAT_OK, "stream_options": {"include_usage": True}},
+            400,
+            "stream is true",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {}}, 400, "stream is true"),
     ],
 )
 def test_bad_requests(server: str, path: str, body: dict | str, status: int, fragment: str) -> None:
