@@ -160,11 +160,11 @@ class ChatOutputParser:
 
     def message(self) -> dict:
         """The final assistant message (after `finish()`)."""
-        calls = self.calls
-        content = "".join(self.content)
-        message: dict = {"role": "assistant", "content": content or (None if calls else "")}
+        calls, content, reasoning = self.calls, "".join(self.content), "".join(self.reasoning)
+        # no content beside calls or reasoning is null, as vLLM's parsers answer
+        message: dict = {"role": "assistant", "content": content or (None if calls or reasoning else "")}
         if self.reasoning_parser is not None:
-            message["reasoning_content"] = "".join(self.reasoning) or None
+            message["reasoning_content"] = reasoning or None
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         return message

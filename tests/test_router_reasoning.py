@@ -35,6 +35,12 @@ def test_reasoning_content(scripted_routers: ScriptedRouters, qwen_style_tokeniz
     # without a reasoning parser the text is the content, as it is
     plain, _ = ask(scripted_routers, "plain", text)
     assert plain.choices[0].message.content == text
+    # an answer cut off while still thinking has no content: null, as vLLM's parser answers
+    thinking, _ = ask(scripted_routers, "qwen3_coder", "Still weighing it")
+    assert (thinking.choices[0].message.reasoning_content, thinking.choices[0].message.content) == (
+        "Still weighing it",
+        None,
+    )
 
 
 def test_enable_thinking_false_reaches_the_template(
