@@ -14,6 +14,10 @@
     --disable-uvicorn-access-log, --disable-log-requests
                                       no access log line per request (the default: one, uvicorn's)
     --tool-call-parser, --reasoning-parser, --enable-auto-tool-choice (router.chat_output)
+    --allowed-origins, --allowed-methods, --allowed-headers JSON-LIST, --allow-credentials
+                                      CORS, as vLLM's (default: any origin, method and header;
+                                      no credentials): a browser's preflight is answered before
+                                      the API key is asked for
 
 `ApiOptions` is what create_app takes of them beside the served names.
 """
@@ -21,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
 
 from pdserve.request_defaults import RequestDefaults
@@ -35,12 +40,17 @@ VALUE_FLAGS = {
     "chat_template": "--chat-template",
     "tool_call_parser": "--tool-call-parser",
     "reasoning_parser": "--reasoning-parser",
+    "allowed_origins": "--allowed-origins",
+    "allowed_methods": "--allowed-methods",
+    "allowed_headers": "--allowed-headers",
 }
 SWITCHES = {
     "disable_uvicorn_access_log": "--disable-uvicorn-access-log",
     "disable_log_requests": "--disable-log-requests",
     "enable_auto_tool_choice": "--enable-auto-tool-choice",
+    "allow_credentials": "--allow-credentials",
 }
+ANY = ("*",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,10 @@ class ApiOptions:
     model_root: str | None = None  # /v1/models' "root": the model as given (None: the first name)
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
     max_logprobs: int = MAX_LOGPROBS
+    allowed_origins: tuple[str, ...] = ANY  # CORS (Starlette's CORSMiddleware)
+    allowed_methods: tuple[str, ...] = ANY
+    allowed_headers: tuple[str, ...] = ANY
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
@@ -104,11 +118,39 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
     add_chat_parsing_arguments(group)
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        group.add_argument(
+            f"--allowed-{name}",
+            type=json_list,
+            default=None,
+            metavar="JSON-LIST",
+            help=f'CORS: the {what} browsers may use, a JSON list (default ["*"])',
+        )
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
+def json_list(value: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form: '["https://a.example"]')."""
+    try:
+        items = json.loads(value)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return items
 
 
 def api_options_from_args(args: argparse.Namespace, model: str) -> ApiOptions:
     defaults = RequestDefaults.load(model, args.generation_config, args.seed)
-    return ApiOptions(model_root=model, defaults=defaults, max_logprobs=args.max_logprobs)
+    return ApiOptions(
+        model_root=model,
+        defaults=defaults,
+        max_logprobs=args.max_logprobs,
+        allowed_origins=tuple(args.allowed_origins or ANY),
+        allowed_methods=tuple(args.allowed_methods or ANY),
+        allowed_headers=tuple(args.allowed_headers or ANY),
+        allow_credentials=args.allow_credentials,
+    )
 
 
 def served_names(args: argparse.Namespace, model: str) -> tuple[str, ...]:
@@ -132,6 +174,7 @@ def api_argv(args: argparse.Namespace) -> list[str]:
     for dest, flag in VALUE_FLAGS.items():
         value = getattr(args, dest)
         if value is not None and value != defaults.get(dest):
-            argv += [f"{flag}={value}"]  # one argument: an inline template may start with "-"
+            text = json.dumps(value) if isinstance(value, list) else value
+            argv += [f"{flag}={text}"]  # one argument: an inline template may start with "-"
     argv += [flag for dest, flag in SWITCHES.items() if getattr(args, dest)]
     return argv

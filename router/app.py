@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from pdserve.tokenizer import Tokenizer
@@ -87,6 +88,13 @@ def create_app(
     install_openapi_schema(app)
     app.add_middleware(
         RequestGate, max_bytes=admission.max_request_bytes, api_keys=admission.api_keys, metrics=metrics
+    )
+    app.add_middleware(  # added last, so outermost: a preflight is answered before the gate
+        CORSMiddleware,
+        allow_origins=list(api.allowed_origins),
+        allow_methods=list(api.allowed_methods),
+        allow_headers=list(api.allowed_headers),
+        allow_credentials=api.allow_credentials,
     )
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)

@@ -193,3 +193,45 @@ def test_chunked_body_is_refused_while_it_is_still_arriving(small_limit: str) ->
             conn.sendall(b"1f4\r\n" + b" " * 500 + b"\r\n")
         answer = conn.recv(65536)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+PREFLIGHT = {
+    "Origin": "http://chat.example",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization,content-type",
+}
+
+
+def test_cors_preflight_is_answered_before_the_key_is_asked(http: TestClient) -> None:
+    """vLLM's defaults (any origin, method, header): a browser's preflight gets its answer, with
+    no key (a browser sends none there), and answers carry the allowed origin."""
+    preflight = http.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    answer = http.get(
+        "/v1/models", headers={"Origin": "http://chat.example", "Authorization": "Bearer s3cret"}
+    )
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+    refused = http.get("/v1/models", headers={"Origin": "http://chat.example"})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_origins_from_the_flags() -> None:
+    from router.api_flags import add_api_arguments, api_argv, api_options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_api_arguments(parser)
+    args = parser.parse_args(["--allowed-origins", '["https://ui.example"]', "--allow-credentials"])
+    api = api_options_from_args(args, "m")
+    assert api.allowed_origins == ("https://ui.example",) and api.allow_credentials
+    assert '--allowed-origins=["https://ui.example"]' in api_argv(args) and "--allow-credentials" in api_argv(
+        args
+    )
+    http = TestClient(create_app(IdleBackend(), None, "m", api=api))
+    mine = http.options("/v1/models", headers={**PREFLIGHT, "Origin": "https://ui.example"})
+    assert mine.status_code == 200 and mine.headers["access-control-allow-origin"] == "https://ui.example"
+    other = http.options("/v1/models", headers=PREFLIGHT)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--allowed-origins", "https://ui.example"])  # not a JSON list
