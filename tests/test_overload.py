@@ -16,6 +16,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.registry import InstanceRegistry
 from tests.stack import Stack
 
+pytestmark = pytest.mark.serial  # the 8x test compares two windows' throughput: alone on the machine
 MAX_TOKENS = 12
 PROMPTS = [f"Request number {i} asks about {w}" for i, w in enumerate(["GPUs", "tea", "rivers", "owls"] * 4)]
 

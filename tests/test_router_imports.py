@@ -226,6 +226,7 @@ def limit(floors: list[float]) -> float:
     return max(STARTUP_LIMIT_S, min(floors) + STARTUP_OVERHEAD_S)
 
 
+@pytest.mark.serial  # wall-clock start-up: alone on the machine
 def test_router_starts_fast_and_serves_without_torch(
     tiny_model_dir: Path, redis: RedisServer, tmp_path: Path
 ) -> None:
