@@ -53,6 +53,7 @@ from pdserve.internal_auth import (
 from pdserve.redis_server import RedisServer as RedisServer  # re-exported: its old home
 
 log = logging.getLogger("pdserve.registry")
+REDIS_CONNECTIONS = 32  # per registry client; calls beyond wait for one (at most 2 s)
 ROLES = ("prefill", "decode")
 
 
@@ -114,14 +115,19 @@ class InstanceRegistry:
             password = password if password is not None else load_redis_password()
         else:
             password = None  # the URL's own
-        # short socket timeouts: a dead Redis must fail a heartbeat, not hang it
-        self._redis = aioredis.from_url(
+        # short socket timeouts: a dead Redis must fail a heartbeat, not hang it. A blocking pool:
+        # redis-py's default pool (100 connections) fails a call at once when all are taken, which
+        # 64 concurrent requests' prefix lookups did (each then routed by load alone, a warning each)
+        pool = aioredis.BlockingConnectionPool.from_url(
             redis_url,
+            max_connections=REDIS_CONNECTIONS,
+            timeout=2.0,  # the longest a call waits for a free connection
             decode_responses=True,
             socket_connect_timeout=2.0,
             socket_timeout=2.0,
             **({} if password is None else {"password": password}),
         )
+        self._redis = aioredis.Redis.from_pool(pool)
 
     @property
     def signed(self) -> bool:
