@@ -85,13 +85,14 @@ def _copy(x: torch.Tensor) -> torch.Tensor:
     return x.to("cpu", torch.float32, copy=True)
 
 
+def relative_difference(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Max |x - y| over the largest magnitude of `y` (at least 1)."""
+    return (x - y).abs().max().item() / max(1.0, y.abs().max().item())
+
+
 def relative_differences(a: PrefillState, b: PrefillState) -> dict[str, float]:
-    """Max |a - b| of each tensor over the largest magnitude of `b` (at least 1)."""
-    out = {}
-    for key in STATE_KEYS:
-        x, y = getattr(a, key), getattr(b, key)
-        out[key] = (x - y).abs().max().item() / max(1.0, y.abs().max().item())
-    return out
+    """`relative_difference` of each tensor of two prefills."""
+    return {key: relative_difference(getattr(a, key), getattr(b, key)) for key in STATE_KEYS}
 
 
 @dataclass(slots=True)
@@ -153,8 +154,7 @@ def checkpoint_differences(
     out = dict.fromkeys(CHECKPOINT_KEYS, 0.0)
     for key, a in alone.items():
         for name in CHECKPOINT_KEYS:
-            x, y = getattr(packed[key], name), getattr(a, name)
-            out[name] = max(out[name], (x - y).abs().max().item() / max(1.0, y.abs().max().item()))
+            out[name] = max(out[name], relative_difference(getattr(packed[key], name), getattr(a, name)))
     return out
 
 
