@@ -188,7 +188,7 @@ class PrefixSharing(ServiceRole):
         nbytes = self.engine.runner.kv_pool.pages_for(num_tokens) * page
         nbytes += self.cache.checkpoints.bytes_per_checkpoint
         pull_s = self.overhead_s + nbytes / self.link_bytes_per_s
-        return pull_s, gain_tokens / self.engine.scheduler.prefill_rate.tokens_per_s
+        return pull_s, gain_tokens / self.engine.prefill_rate.tokens_per_s
 
     async def _pin_remote(self, pull: Pull) -> None:
         """On the event loop: handshake with the holder if new, pin the entry there, then READ."""

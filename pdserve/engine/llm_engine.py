@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.run_ahead import InFlight, may_run_ahead
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
@@ -77,6 +79,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.run_ahead = True  # pdserve.engine.run_ahead; False: finish each step before the next
         self._ahead: InFlight | None = None
+        self.prefill_rate = PrefillRate()  # measured per step, for the prefix cache's pulls
 
     # ---- requests in
     def make_sequence(
@@ -153,23 +156,31 @@ class LLMEngine:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.reserve_tokens()
+        scheduled_at = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        launched = self._launch(scheduled, ahead) if scheduled else None
-        outputs = self.postprocess(ahead.seqs, ahead.sampled, pending=True, host=ahead.host) if ahead else []
+        launched = self._launch(scheduled, ahead, scheduled_at) if scheduled else None
+        outputs = self._finish(ahead, pending=True) if ahead else []
         if launched is not None:
             if self.run_ahead and may_run_ahead(launched.seqs):
                 self._ahead = launched
             else:
-                outputs += self.postprocess(launched.seqs, launched.sampled, host=launched.host)
+                outputs += self._finish(launched)
         return outputs
 
-    def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None) -> InFlight:
+    def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None, scheduled_at: float) -> InFlight:
         logits = self.runner.execute(scheduled, ahead.patch_for(scheduled) if ahead else None)
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.scheduler.reached_checkpoint(s.seq)
-        return InFlight(sampling, self.sampler.sample(logits, [seq.sampling for seq in sampling]))
+        prompt_tokens = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
+        sampled = self.sampler.sample(logits, [seq.sampling for seq in sampling])
+        return InFlight(sampling, sampled, scheduled_at, prompt_tokens)
+
+    def _finish(self, step: InFlight, pending: bool = False) -> list[RequestOutput]:
+        outputs = self.postprocess(step.seqs, step.sampled, pending=pending, host=step.host)
+        self.prefill_rate.measured(step.prompt_tokens, step.scheduled_at, time.perf_counter())
+        return outputs
 
     def postprocess(
         self,

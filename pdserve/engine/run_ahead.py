@@ -44,6 +44,8 @@ class InFlight:
 
     seqs: list[Sequence]
     sampled: SamplerOutput
+    scheduled_at: float = 0.0  # perf_counter() when the step was scheduled
+    prompt_tokens: int = 0  # prompt tokens computed in it (pdserve.engine.prefill_rate)
     host: HostCopy = field(init=False)
 
     def __post_init__(self) -> None:

@@ -22,13 +22,11 @@ the decode side) are `pdserve.engine.handover_states.HandoverStates`, a base of 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.checkpoint_plan import plan_checkpoints
 from pdserve.engine.handover_states import HandoverStates, HeldLease
-from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import CacheEntry, Lookup, PrefixCache
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.memory import GdnStatePool, KvPagePool
@@ -67,7 +65,6 @@ class Scheduler(HandoverStates):
         # waiting sequences whose cached prefix is being pulled from a peer: not admitted yet
         self.fetching: dict[str, Sequence] = {}
         self._plans: dict[Sequence, list[tuple[int, str]]] = {}  # checkpoints still to save
-        self.prefill_rate = PrefillRate()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,12 +76,6 @@ class Scheduler(HandoverStates):
         return len(self.running) + len(self.receiving)
 
     def schedule(self) -> list[ScheduledSeq]:
-        self.prefill_rate.step_started(time.perf_counter())
-        batch = self._schedule()
-        self.prefill_rate.scheduled(sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1))
-        return batch
-
-    def _schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         # decoding sequences first (a token each), then chunks of prompts still prefilling: a long
