@@ -4,7 +4,8 @@ The prefill and decode roles share one `EngineHost`: the weights are loaded once
 pools serves both. It registers as a prefill and as a decode instance (two gRPC servers, on
 `--port` and the port after it), so the router runs the same protocol as with separate
 instances: a burst to the prefill server, then a decode stream. A lease whose agent is this
-engine is decoded in place: its pages and state slot pass from the HELD request to the batch,
+engine is decoded in place: the request decodes on at once after its first token (its tokens
+wait under the lease until the decode stream claims it), its pages and state slot never move,
 and no bytes move (no NIXL agent either).
 """
 
@@ -30,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(config: ServiceConfig) -> None:
     host = EngineHost(config, nixl=False)  # it hands over to itself only
+    host.engine.decode_in_place = True  # the second token does not wait for the router
     servers = {
         "prefill": prefill_server(PrefillService(host)),
         "decode": decode_server(DecodeService(host)),

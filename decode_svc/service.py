@@ -98,10 +98,12 @@ class DecodeService(ServiceRole):
     # ---- on the engine thread
     def _admit(self, start: DecodeStart, peer: str | None) -> None:
         rid = start.request_id
-        if peer is None:  # held by this engine: decode it in place, nothing moves
-            if not self.engine.resume_held(rid, start.lease.lease_id):
+        if peer is None:  # handed over by this engine: decoded in place, nothing moves
+            made = self.engine.resume_held(rid, start.lease.lease_id)
+            if made is None:
                 raise RpcError("ABORTED", f"the lease of {rid} is no longer held here")
             self._post(rid, DecodeEvent(transfer={"bytes": 0, "seconds": 0.0}).to_wire())
+            self.host.deliver(made)  # the tokens it decoded before this stream came
             return
         seq = self.engine.make_sequence(start.prompt_token_ids, SamplingParams(**start.params), rid)
         if start.lease.num_tokens != seq.num_prompt_tokens:

@@ -7,7 +7,15 @@ and the router import this package without loading torch or the engine.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# gRPC's fork handlers (grpcio >= 1.81, grpc/grpc#43055) restart its poller in a child that
+# subprocess.Popen is about to exec, after close_fds closed the poller's epoll fd: the child
+# aborts (SIGABRT) before exec, ~6% of Popen calls with a preexec_fn from a process with a live
+# channel (a supervisor, the tests' stacks). Our children always exec: turn them off, before
+# pdserve.rpc imports grpc. A user's own setting wins.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 if TYPE_CHECKING:
     from pdserve.llm import LLM

@@ -248,6 +248,10 @@ class EngineHost:
 
     # ---- the engine thread's callbacks
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.deliver(outputs)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Give the roles a step's outputs (on the engine thread)."""
         # before the roles stream the outputs: a finished request's entry is on its way to Redis
         # before its last token is on its way to the client (who may send the next turn at once)
         self._refresh_prefix_keys()

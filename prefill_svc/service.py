@@ -187,7 +187,7 @@ class PrefillService(ServiceRole):
         # NIXL completes a decode instance's READ only as this side's worker progresses (no
         # progress thread on CPU): pump it often while anything is held for a transfer
         self.agent.take_done_notifications()
-        return bool(self.engine.scheduler.held)
+        return bool(self.engine.scheduler.held or self.engine.scheduler.decoding)
 
 
 def _refusal(request_id: str, message: str) -> PrefillResult:

@@ -17,7 +17,7 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     the prefix cache (on by default) is cleared: what it held is all it held."""
     runner = engine.runner
     s = engine.scheduler
-    assert not s.running and not s.waiting and not s.held and not s.receiving
+    assert not s.running and not s.waiting and not s.held and not s.receiving and not s.decoding
     if engine.prefix_cache is not None:
         engine.prefix_cache.clear()
         assert not engine.prefix_cache.entries, "a cache entry is still pinned"

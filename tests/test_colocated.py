@@ -1,6 +1,7 @@
 """One engine holding both roles (`pdserve engine`, the one-GPU layout), in-process: a request
 goes through the prefill role, then the decode role decodes it in place from its lease (no bytes
-move). Greedy output equals the offline engine's token for token; a lease that is gone is refused;
+move; tests/test_decode_in_place.py: decoding on before the claim).
+Greedy output equals the offline engine's token for token; a lease that is gone is refused;
 memory is all back afterwards."""
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from tests.helpers import assert_no_leaks, random_prompts
 MAX_TOKENS = 16
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["decoding-on", "held"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_colocated_equals_offline(tiny_model_dir, device: str) -> None:
-    """On the GPU: against the offline engine on the same GPU (CUDA graphs, the same kernels)."""
+def test_colocated_equals_offline(tiny_model_dir, device: str, in_place: bool) -> None:
+    """On the GPU: against the offline engine on the same GPU (CUDA graphs, the same kernels).
+    `in_place`: the engine decodes on after the first token (what `pdserve engine` does) and
+    the decode stream gets what it made meanwhile; else it holds the request until then."""
     prompts = random_prompts((5, 33, 80), seed=3, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     sizes = {"num_kv_pages": 256} if device == "cuda" else {}  # not 90% of the GPU for a tiny model
@@ -37,6 +41,7 @@ def test_colocated_equals_offline(tiny_model_dir, device: str) -> None:
             model=str(tiny_model_dir), device=device, dtype="float32", max_model_len=256, **sizes
         )
         host = EngineHost(ServiceConfig(engine=engine, instance_id="both"), nixl=False)
+        host.engine.decode_in_place = in_place
         prefill, decode = PrefillService(host), DecodeService(host)
         host.start()
         try:

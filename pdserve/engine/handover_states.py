@@ -2,8 +2,11 @@
 
 - prefill side: a `handoff` sequence that sampled its first token becomes HELD: it leaves the
   batch but keeps its pages and slot under a lease (`hold`), until the decode side has READ them
-  (`release_lease`), the router gives up, or the lease expires (`expire_leases`); one instance
-  holding both roles decodes it in place (`resume_held`);
+  (`release_lease`), the router gives up, or the lease expires (`expire_leases`);
+- one instance holding both roles: the sequence stays in the batch and decodes on at once under
+  a `DecodingLease` (`lease_decoding`); its outputs wait in the lease until the router's decode
+  stream claims it (`claim`), so the second token never waits for the round trip through the
+  router (a HELD sequence of such an engine is decoded in place by `resume_held`);
 - decode side: `reserve` gives a transferred sequence its pages and slot (evicting cache entries
   first, keeping one page of headroom per running sequence), it is RECEIVING while the READ
   runs, then `start_received` makes it RUNNING.
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -32,10 +36,22 @@ class HeldLease:
     expires: float
 
 
+@dataclass(slots=True)
+class DecodingLease:
+    """A sequence decoding on after its first token under a lease that the router's decode
+    stream claims, with the outputs made before it did (RequestOutputs)."""
+
+    seq: Sequence
+    lease_id: str
+    expires: float
+    outputs: list[Any] = field(default_factory=list)
+
+
 class HandoverStates:
     # the scheduler's state these methods read and change (set by `Scheduler.__init__`)
     running: list[Sequence]
     held: dict[str, HeldLease]
+    decoding: dict[str, DecodingLease]
     receiving: dict[str, Sequence]
     prefix_cache: PrefixCache | None
     kv_pool: KvPagePool
@@ -52,9 +68,33 @@ class HandoverStates:
         self.held[seq.request_id] = lease
         return lease
 
+    def lease_decoding(self, seq: Sequence) -> DecodingLease:
+        """Keep a sequence that sampled its first token in the batch, under a new lease."""
+        cache = self.prefix_cache  # its prompt's final state, before the next step moves it on
+        if cache is not None and cache.wants_end_checkpoint(seq):
+            cache.save(seq, "end")
+        seq.handoff = False
+        lease = DecodingLease(seq, secrets.token_hex(16), time.monotonic() + self.lease_ttl_s)
+        self.decoding[seq.request_id] = lease
+        return lease
+
+    def claim(self, request_id: str, lease_id: str) -> DecodingLease | None:
+        """The decode stream takes a decoding sequence over: its lease, with the outputs made
+        so far (the sequence may have finished meanwhile); None if the lease is gone."""
+        lease = self.decoding.get(request_id)
+        if lease is None or lease.lease_id != lease_id:
+            return None
+        return self.decoding.pop(request_id)
+
     def release_lease(self, request_id: str, lease_id: str | None = None) -> bool:
-        """Free a HELD sequence's memory; True if the lease (any, when `lease_id` is None) was
-        still held, i.e. its memory was the request's own until now."""
+        """Free a HELD sequence's memory (stop a decoding one); True if the lease (any, when
+        `lease_id` is None) was still held, i.e. its memory was the request's own until now."""
+        decoding = self.decoding.get(request_id)
+        if decoding is not None and lease_id in (None, decoding.lease_id):
+            del self.decoding[request_id]
+            if not decoding.seq.is_finished:
+                self.finish(decoding.seq)
+            return True
         lease = self.held.get(request_id)
         if lease is None or (lease_id is not None and lease.lease_id != lease_id):
             return False
@@ -66,7 +106,10 @@ class HandoverStates:
         expired = [rid for rid, lease in self.held.items() if lease.expires < now]
         for rid in expired:
             self.finish(self.held[rid].seq)
-        return expired
+        unclaimed = [rid for rid, lease in self.decoding.items() if lease.expires < now]
+        for rid in unclaimed:
+            self.release_lease(rid)
+        return expired + unclaimed
 
     def resume_held(self, request_id: str, lease_id: str) -> Sequence | None:
         """Decode a HELD sequence here, in place (one instance holding both roles): its memory

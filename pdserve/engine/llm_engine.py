@@ -80,6 +80,9 @@ class LLMEngine:
         self.run_ahead = True  # pdserve.engine.run_ahead; False: finish each step before the next
         self._ahead: InFlight | None = None
         self.prefill_rate = PrefillRate()  # measured per step, for the prefix cache's pulls
+        # one instance holding both roles: a handed-over sequence decodes on at once, its
+        # outputs kept until its decode stream claims it (pdserve.engine.handover_states)
+        self.decode_in_place = False
 
     # ---- requests in
     def make_sequence(
@@ -225,10 +228,22 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
             elif seq.handoff:
-                lease_id = self.scheduler.hold(seq).lease_id
+                if self.decode_in_place:
+                    lease_id = self.scheduler.lease_decoding(seq).lease_id
+                else:
+                    lease_id = self.scheduler.hold(seq).lease_id
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, [token], text_delta, lease_id))
+        if self.scheduler.decoding:  # outputs of unclaimed leases wait in them
+            outputs = [out for out in outputs if not self._kept_for_claim(out)]
         return outputs
+
+    def _kept_for_claim(self, out: RequestOutput) -> bool:
+        lease = self.scheduler.decoding.get(out.request_id)
+        if lease is None or out.lease_id is not None:
+            return False
+        lease.outputs.append(out)
+        return True
 
     # ---- hand-over: the decode side of a transfer, or both sides in one instance
     def reserve_transfer(self, seq: Sequence, num_pages: int) -> bool:
@@ -250,13 +265,21 @@ class LLMEngine:
             seq.logprobs.extend(first_logprobs)
         self.scheduler.start_received(seq)
 
-    def resume_held(self, request_id: str, lease_id: str) -> bool:
-        """Decode a HELD sequence of this engine in place (no copy); False if its lease is gone."""
+    def resume_held(self, request_id: str, lease_id: str) -> list[RequestOutput] | None:
+        """Decode here a sequence this engine handed over (one instance holding both roles,
+        no copy): the outputs it made since its first token when it decoded on at once
+        (`decode_in_place`), [] when it was HELD (it joins the batch now); None if its lease
+        is gone."""
+        decoding = self.scheduler.claim(request_id, lease_id)
+        if decoding is not None:
+            if not decoding.seq.is_finished:
+                self.requests[request_id] = decoding.seq
+            return decoding.outputs
         seq = self.scheduler.resume_held(request_id, lease_id)
         if seq is None:
-            return False
+            return None
         self.requests[request_id] = seq
-        return True
+        return []
 
     def _output(
         self, seq: Sequence, new_tokens: list[int], text_delta: str, lease_id: str | None = None

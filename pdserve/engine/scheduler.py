@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.checkpoint_plan import plan_checkpoints
-from pdserve.engine.handover_states import HandoverStates, HeldLease
+from pdserve.engine.handover_states import DecodingLease, HandoverStates, HeldLease
 from pdserve.engine.prefix_cache import CacheEntry, Lookup, PrefixCache
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.memory import GdnStatePool, KvPagePool
@@ -61,6 +61,7 @@ class Scheduler(HandoverStates):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held: dict[str, HeldLease] = {}
+        self.decoding: dict[str, DecodingLease] = {}
         self.receiving: dict[str, Sequence] = {}
         # waiting sequences whose cached prefix is being pulled from a peer: not admitted yet
         self.fetching: dict[str, Sequence] = {}
