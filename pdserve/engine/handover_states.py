@@ -37,13 +37,10 @@ class HeldLease:
 
 
 @dataclass(slots=True)
-class DecodingLease:
+class DecodingLease(HeldLease):
     """A sequence decoding on after its first token under a lease that the router's decode
     stream claims, with the outputs made before it did (RequestOutputs)."""
 
-    seq: Sequence
-    lease_id: str
-    expires: float
     outputs: list[Any] = field(default_factory=list)
 
 
@@ -70,9 +67,7 @@ class HandoverStates:
 
     def lease_decoding(self, seq: Sequence) -> DecodingLease:
         """Keep a sequence that sampled its first token in the batch, under a new lease."""
-        cache = self.prefix_cache  # its prompt's final state, before the next step moves it on
-        if cache is not None and cache.wants_end_checkpoint(seq):
-            cache.save(seq, "end")
+        self._save_prompt_end(seq)
         seq.handoff = False
         lease = DecodingLease(seq, secrets.token_hex(16), time.monotonic() + self.lease_ttl_s)
         self.decoding[seq.request_id] = lease
@@ -118,13 +113,17 @@ class HandoverStates:
         if lease is None or lease.lease_id != lease_id:
             return None
         del self.held[request_id]
-        cache = self.prefix_cache  # its prompt's final state, before decoding moves it on
-        if cache is not None and cache.wants_end_checkpoint(lease.seq):
-            cache.save(lease.seq, "end")
+        self._save_prompt_end(lease.seq)
         lease.seq.status = SequenceStatus.RUNNING
         lease.seq.handoff = False
         self.running.append(lease.seq)
         return lease.seq
+
+    def _save_prompt_end(self, seq: Sequence) -> None:
+        """Checkpoint a handed-over prompt's final state before decoding here moves it on."""
+        cache = self.prefix_cache
+        if cache is not None and cache.wants_end_checkpoint(seq):
+            cache.save(seq, "end")
 
     # ---- decode side: memory for a transferred sequence
     def reserve(self, seq: Sequence, num_pages: int) -> bool:
