@@ -16,13 +16,23 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/pdserve-bench}
 W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
-CELLS=${CELLS:-"1024:4 1024:16 1024:32 8192:4 8192:16"}
+CELLS=${CELLS-"1024:4 1024:16 1024:32 8192:4 8192:16"}  # CELLS= (empty): none
 CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-}
 MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
-PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32: py-spy records the engine and the router
+PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv): py-spy records the engine and the router
 # for 12 s from PROFILE_AFTER (34) s into it: AIPerf's start (~20 s) and warm-up phase are over by then
 mkdir -p "$OUT"
 log() { echo "[bench $(date +%T)] $*" | tee -a "$OUT/bench.log"; }
+# py-spy on the engine and the router for 12 s from PROFILE_AFTER s on (in the background)
+profile_roles() {
+    command -v py-spy >/dev/null || return 0
+    (sleep "${PROFILE_AFTER:-34}"
+     for role in engine router; do
+         pid=$(pgrep -f "pdserve.cli $role" | head -1)
+         [ -n "$pid" ] && py-spy record --nonblocking --idle -d 12 -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
+             >"$OUT/pyspy-$role.log" 2>&1 &
+     done; wait) &
+}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     $W/.whl-serve/*.whl $W/.whl-aiperf/*.whl $W/.whl/fla_core*.whl $(ls $W/.whl-prof/*.whl 2>/dev/null) >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
@@ -53,14 +63,7 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/bench.log"
 for cell in $CELLS; do
     isl=${cell%:*} c=${cell#*:}
     log "aiperf isl=$isl c=$c"
-    if [ "$cell" = "$PROFILE_CELL" ] && command -v py-spy >/dev/null; then
-        (sleep "${PROFILE_AFTER:-34}"
-         for role in engine router; do
-             pid=$(pgrep -f "pdserve.cli $role" | head -1)
-             [ -n "$pid" ] && py-spy record --nonblocking --idle -d 12 -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
-                 >"$OUT/pyspy-$role.log" 2>&1 &
-         done; wait) &
-    fi
+    [ "$cell" = "$PROFILE_CELL" ] && profile_roles
     timeout 200 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
         --tokenizer $MODEL --isl "$isl" --isl-stddev 0 --osl 256 --extra-inputs ignore_eos:true \
         --concurrency "$c" --request-count $((3 * c)) --warmup-request-count "$c" --ui none \
@@ -87,6 +90,7 @@ done
 if [ -n "$CONV" ]; then
     c=${CONV%:*} turns=${CONV#*:}
     log "aiperf conversations: $c x $turns turns ($UP_FLAGS)"
+    [ "$PROFILE_CELL" = conv ] && profile_roles
     timeout 300 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
         --tokenizer $MODEL --shared-system-prompt-length 2048 --isl 128 --isl-stddev 0 --osl 128 \
         --extra-inputs ignore_eos:true --conversation-num "$c" --conversation-turn-mean "$turns" \

@@ -59,6 +59,7 @@ def prefill_states(engine: LLMEngine, prompts: list[list[int]], token_budget: in
                 logits[seq.request_id] = _copy(row)
             for s in scheduled:
                 s.seq.num_computed_tokens += s.num_new_tokens
+                engine.scheduler.reached_checkpoint(s)  # as the engine's step does
             engine.postprocess(sampling, SamplerOutput(token_ids=rows.argmax(dim=-1)))
             passes += 1
     finally:

@@ -1,7 +1,8 @@
 """Where a prompt saves prefix-cache checkpoints while it is prefilled (docs/prefix-cache.md).
 
-Planned positions (a prefill chunk stops at each, `Scheduler._chunk`, so the state can be
-copied there), each with the kind of entry it makes:
+Planned positions, each with the kind of entry it makes. A prefill chunk does not stop at
+them: the pass that crosses one saves the state there on its way (`PlannedSave`,
+`pdserve.model.mid_pass_saves`); one that ends there copies its slot after the pass:
   - "resume": where the generation prompt starts that a chat's next turn does not repeat
     (`pdserve.engine.resume_points`): that turn reuses everything before it;
   - "branch": how far the prompt runs along what the cache already holds without finding a
@@ -18,8 +19,20 @@ there would cost every prompt a pass for a sibling that may never come.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.engine.prefix_cache import NEAR_TOKENS, Lookup, PrefixCache
 from pdserve.engine.sequence import Sequence
+
+
+@dataclass(slots=True, frozen=True)
+class PlannedSave:
+    """A checkpoint reserved for the state after `position` tokens, which the pass crossing that
+    position fills; the entry is made after the pass (`PrefixCache.commit_save`)."""
+
+    position: int
+    checkpoint: int
+    kind: str
 
 
 def plan_checkpoints(

@@ -175,7 +175,7 @@ class LLMEngine:
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            self.scheduler.reached_checkpoint(s.seq)
+            self.scheduler.reached_checkpoint(s)
         prompt_tokens = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
         sampled = self.sampler.sample(logits, [seq.sampling for seq in sampling])
         return InFlight(sampling, sampled, scheduled_at, prompt_tokens)

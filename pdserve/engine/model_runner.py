@@ -13,6 +13,7 @@ from pdserve.engine.run_ahead import TokenPatch, apply_patch
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.memory import GdnStatePool, KvPagePool
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.mid_pass_saves import MidPassSaves
 from pdserve.model.qwen3_5_moe import Qwen3MoeHybrid
 from pdserve.pinned import to_device
 from pdserve.weights import init_dummy_weights, load_weights
@@ -153,9 +154,16 @@ class ModelRunner:
             page_size=self.config.page_size,
             device=self.device,
         )
+        batch.saves = MidPassSaves.build(
+            [s.num_new_tokens for s in scheduled],
+            [s.seq.state_slot for s in scheduled],
+            [[(p.position - s.seq.num_computed_tokens, p.checkpoint) for p in s.saves] for s in scheduled],
+            self.config.model_config.linear_conv_kernel_dim - 1,
+            self.device,
+        )
         apply_patch(batch.input_ids, patch)  # tokens of the step in flight, read on the device
         prompt_rows = plan_prompt_rows(scheduled)
-        if self.graphs is not None and not prompt_rows and self.graphs.fits(batch):
+        if self.graphs is not None and not prompt_rows and batch.saves is None and self.graphs.fits(batch):
             return self.graphs.replay(batch)
         hidden = self.model(batch)
         if prompt_rows:

@@ -171,17 +171,35 @@ class PrefixCache(PrefixEntryStore):
         """Checkpoint `seq` (a copy of its slot), whose state holds exactly its first
         `num_computed_tokens` tokens; its pages are shared. False when not admitted."""
         n = seq.num_computed_tokens
-        if n < self.min_entry_tokens:
+        checkpoint = self.reserve_save(seq, n, kind)
+        if checkpoint is None:
             return False
-        key, parent, tail = self.key_of(seq, n)
+        self.checkpoints.copy(seq.state_slot, checkpoint)
+        self.commit_save(seq, n, checkpoint, kind)
+        return True
+
+    def reserve_save(self, seq: Sequence, num_tokens: int, kind: str) -> int | None:
+        """A checkpoint for `seq`'s state after its first `num_tokens` tokens, which the caller
+        fills (a copy, or the pass crossing that position); None when not admitted (too short,
+        held already, no room)."""
+        if num_tokens < self.min_entry_tokens:
+            return None
+        key, _, _ = self.key_of(seq, num_tokens)
         if self._touch(key) or not self._room_for_checkpoint(kind):
-            return False
+            return None
+        return self.checkpoints.reserve()
+
+    def commit_save(self, seq: Sequence, n: int, checkpoint: int, kind: str) -> None:
+        """The entry of `seq`'s first `n` tokens, whose state a `reserve_save` checkpoint now
+        holds; its pages are shared."""
+        key, parent, tail = self.key_of(seq, n)
+        if self._touch(key):  # the same prefix saved twice in one pass: keep the first
+            self.checkpoints.free(checkpoint)
+            return
         pages = list(seq.block_table[: self.kv_pool.pages_for(n)])
         self.kv_pool.share(pages)
-        checkpoint = self.checkpoints.save(seq.state_slot)
         self._add(CacheEntry(key, parent, tail, n, pages, checkpoint, self.seq_block_keys(seq, n), kind))
         self.supersede(seq, n)
-        return True
 
     def adopt(self, seq: Sequence, kind: str) -> bool:
         """Turn a request that lets its memory go into an entry as it is: its slot becomes the

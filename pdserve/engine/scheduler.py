@@ -7,13 +7,14 @@ Each step:
      recomputed later);
   2. waiting sequences are admitted in order while the budget, `max_num_seqs`, state slots and
      pages allow: several prompts share one packed pass, a long prompt is chunked. With a
-     prefix cache, an admitted prompt starts after its longest cached prefix, and a chunk stops
-     at each of the prompt's checkpoint positions (`pdserve.engine.checkpoint_plan`) so its GDN
-     state can be copied there; a request that ends (finished, released, aborted) with its whole
-     prompt in its state leaves its slot and pages to the cache as an entry (no copy); cache
-     entries are evicted before anything running is preempted, for pages and for state slots
-     (a checkpoint is a state slot). Sequences in `fetching` (their prefix is being pulled
-     from a peer) wait, and later ones pass them.
+     prefix cache, an admitted prompt starts after its longest cached prefix, and the pass
+     crossing one of its checkpoint positions (`pdserve.engine.checkpoint_plan`) saves its GDN
+     state there, into a checkpoint reserved when it is scheduled; a request that ends
+     (finished, released, aborted) with its whole prompt in its state leaves its slot and
+     pages to the cache as an entry (no copy); cache entries are evicted before anything
+     running is preempted, for pages and for state slots (a checkpoint is a state slot).
+     Sequences in `fetching` (their prefix is being pulled from a peer) wait, and later ones
+     pass them.
 A sequence samples a token only in the step that brings it to its last token.
 
 Hand-over states (disaggregated serving: HELD with a lease on the prefill side, RECEIVING on
@@ -23,9 +24,9 @@ the decode side) are `pdserve.engine.handover_states.HandoverStates`, a base of 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdserve.engine.checkpoint_plan import plan_checkpoints
+from pdserve.engine.checkpoint_plan import PlannedSave, plan_checkpoints
 from pdserve.engine.handover_states import DecodingLease, HandoverStates, HeldLease
 from pdserve.engine.prefix_cache import CacheEntry, Lookup, PrefixCache
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -36,6 +37,7 @@ from pdserve.memory import GdnStatePool, KvPagePool
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    saves: list[PlannedSave] = field(default_factory=list)  # checkpoints taken inside this pass
 
     @property
     def samples(self) -> bool:
@@ -94,7 +96,7 @@ class Scheduler(HandoverStates):
                 if victim is seq:
                     break
                 continue
-            batch.append(ScheduledSeq(seq, n))
+            batch.append(self._with_saves(seq, seq.num_computed_tokens, n))
             budget -= n
             i += 1
         for seq in list(self.waiting):  # in order, past those whose prefix is still being fetched
@@ -121,7 +123,7 @@ class Scheduler(HandoverStates):
             self._grow(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.append(ScheduledSeq(seq, n))
+            batch.append(self._with_saves(seq, start, n))
             budget -= n
         return batch
 
@@ -133,11 +135,24 @@ class Scheduler(HandoverStates):
         return self.prefix_cache.lookup(seq)
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
-        """How many tokens `seq` computes this step, from token `start`."""
-        n = min(seq.num_tokens - start, budget)
-        if seq.checkpoint_at is not None and start < seq.checkpoint_at:
-            n = min(n, seq.checkpoint_at - start)
-        return n
+        """How many tokens `seq` computes this step, from token `start` (planned checkpoints do
+        not cut a chunk: the pass saves them on its way, `_with_saves`)."""
+        return min(seq.num_tokens - start, budget)
+
+    def _with_saves(self, seq: Sequence, start: int, n: int) -> ScheduledSeq:
+        """`seq`'s chunk of `n` tokens from `start`, with a checkpoint reserved for each planned
+        position strictly inside it (one the cache declines is skipped, as a copy would be)."""
+        item = ScheduledSeq(seq, n)
+        plan = self._plans.get(seq)
+        while plan and plan[0][0] < start + n:
+            position, kind = plan.pop(0)
+            if position <= start:  # reached at the end of the last chunk: saved (or declined) then
+                continue
+            checkpoint = self.prefix_cache.reserve_save(seq, position, kind)
+            if checkpoint is not None:
+                item.saves.append(PlannedSave(position, checkpoint, kind))
+        seq.checkpoint_at = plan[0][0] if plan else None
+        return item
 
     def _plan_checkpoints(self, seq: Sequence, start: int, lookup: Lookup | None) -> None:
         plan = [] if self.prefix_cache is None else plan_checkpoints(self.prefix_cache, seq, start, lookup)
@@ -163,12 +178,16 @@ class Scheduler(HandoverStates):
             pass
         return pages <= self.kv_pool.num_free
 
-    def reached_checkpoint(self, seq: Sequence) -> None:
-        """Called after each pass: save the prefix checkpoint of a sequence that just reached a
-        planned one, or whose prefill chunk the token budget ended before its prompt's end."""
-        cache, n = self.prefix_cache, seq.num_computed_tokens
+    def reached_checkpoint(self, item: ScheduledSeq) -> None:
+        """Called after each pass: make the entries of the checkpoints the pass took inside the
+        chunk, and save the checkpoint of a sequence that just reached a planned position, or
+        whose prefill chunk the token budget ended before its prompt's end."""
+        seq, cache = item.seq, self.prefix_cache
+        n = seq.num_computed_tokens
         if cache is None:
             return
+        for save in item.saves:
+            cache.commit_save(seq, save.position, save.checkpoint, save.kind)
         if seq.checkpoint_at is not None and n == seq.checkpoint_at:
             plan = self._plans.get(seq) or [(n, "branch")]
             _, kind = plan.pop(0)

@@ -42,9 +42,13 @@ class GdnCheckpointPool:
     def save(self, slot: int) -> int:
         """Copy state slot `slot` into a new checkpoint; returns its id (a slot)."""
         ck = self.reserve()
-        self.states.conv[:, ck].copy_(self.states.conv[:, slot])
-        self.states.recurrent[:, ck].copy_(self.states.recurrent[:, slot])
+        self.copy(slot, ck)
         return ck
+
+    def copy(self, src: int, dst: int) -> None:
+        """Overwrite state slot `dst` with slot `src` (a checkpoint or a request's)."""
+        self.states.conv[:, dst].copy_(self.states.conv[:, src])
+        self.states.recurrent[:, dst].copy_(self.states.recurrent[:, src])
 
     def reserve(self) -> int:
         """A checkpoint whose contents someone else writes (a transfer from a peer)."""
@@ -64,8 +68,7 @@ class GdnCheckpointPool:
 
     def restore(self, ck: int, slot: int) -> None:
         """Overwrite state slot `slot` with checkpoint `ck`."""
-        self.states.conv[:, slot].copy_(self.states.conv[:, ck])
-        self.states.recurrent[:, slot].copy_(self.states.recurrent[:, ck])
+        self.copy(ck, slot)
 
     def free(self, ck: int) -> None:
         if ck not in self._held:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.model.mid_pass_saves import MidPassSaves
 from pdserve.pinned import to_device
 
 
@@ -26,6 +27,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64: the token whose logits each sequence needs
     is_decode: bool  # every sequence has exactly one new token: the single-step ops apply
     max_query_len: int = 1  # the most new tokens of one sequence (a host int: no device read)
+    saves: MidPassSaves | None = None  # prefix checkpoints this pass takes on its way through
 
     @property
     def num_tokens(self) -> int:

@@ -50,6 +50,8 @@ class GatedDeltaNet(nn.Module):
                 mixed_qkv, self.conv1d_weight, self.conv_pool, batch.state_slots
             )
         else:
+            if batch.saves is not None:  # before the conv moves the slots past the save points
+                batch.saves.save_conv(mixed_qkv, self.conv_pool)
             mixed_qkv = ops.causal_conv1d_prefill(
                 mixed_qkv, self.conv1d_weight, batch.cu_seqlens, self.conv_pool, batch.state_slots
             )
@@ -60,6 +62,8 @@ class GatedDeltaNet(nn.Module):
         g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
         if batch.is_decode:
             o = ops.gdn_recurrent_step(q, k, v, g, beta, self.recurrent_pool, batch.state_slots)
+        elif batch.saves is not None:
+            o = batch.saves.scan(q, k, v, g, beta, self.recurrent_pool)
         else:
             o = ops.gdn_chunk_prefill(
                 q, k, v, g, beta, batch.cu_seqlens, self.recurrent_pool, batch.state_slots

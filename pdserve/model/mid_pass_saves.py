@@ -1,0 +1,133 @@
+"""Prefix-cache checkpoints taken inside a prefill pass, where a chunk crosses a planned position.
+
+A chat prompt checkpoints a few tokens before its end (the resume point before `<think>\\n`,
+`pdserve.engine.checkpoint_plan`). Stopping the chunk there would cost every such prompt a
+pass of its own for those few tokens. Instead the pass saves the GDN state at that position
+on its way through:
+  - conv: the state after token `p` is the last W-1 inputs up to `p`, taken from the layer's
+    packed input (and, for the first W-1 tokens of a chunk, the history the slot held before
+    it), written to the checkpoint before the conv op moves the slot on;
+  - recurrent: the gated delta rule runs in pieces, each sequence split at its save points;
+    after piece r, the state of each sequence saving there is copied to its checkpoint, and
+    piece r+1 continues from the sequence's own slot. Sequences with no save run whole in the
+    first piece, so a pass with one save point scans twice per GDN layer.
+Attention layers and every other op see the pass as one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve import ops
+from pdserve.pinned import to_device
+
+
+@dataclass(slots=True)
+class ScanPiece:
+    tokens: torch.Tensor  # [Tp] int64: the packed tokens this piece scans, in order
+    cu_seqlens: torch.Tensor  # [Np+1] int32: their sequence boundaries
+    state_slots: torch.Tensor  # [Np] int64
+    save_from: torch.Tensor  # [Mp] int64: slots whose state after this piece is a checkpoint
+    save_to: torch.Tensor  # [Mp] int64: those checkpoints (state slots)
+
+
+@dataclass(slots=True)
+class MidPassSaves:
+    pieces: list[ScanPiece]
+    conv_slots: torch.Tensor  # [M] int64: the sequence slot of each save
+    conv_to: torch.Tensor  # [M] int64: its checkpoint
+    conv_rows: torch.Tensor  # [M, W-1] int64: rows of cat(history of conv_slots, x), oldest first
+
+    @staticmethod
+    def build(
+        chunk_lens: list[int],
+        state_slots: list[int],
+        saves: list[list[tuple[int, int]]],
+        history_len: int,
+        device: torch.device | str,
+    ) -> MidPassSaves | None:
+        """`saves[i]`: (offset into sequence i's chunk, checkpoint) in order, each offset strictly
+        inside the chunk. None when no sequence saves inside this pass."""
+        rounds = max((len(s) for s in saves), default=0)
+        if rounds == 0:
+            return None
+        for length, points in zip(chunk_lens, saves, strict=True):
+            offsets = [o for o, _ in points]
+            if offsets != sorted(set(offsets)) or any(not 0 < o < length for o in offsets):
+                raise ValueError(f"save offsets {offsets} must rise strictly inside a chunk of {length}")
+        starts = [0]
+        for length in chunk_lens[:-1]:
+            starts.append(starts[-1] + length)
+        pieces = []
+        for r in range(rounds + 1):
+            tokens, cu, slots, save_from, save_to = [], [0], [], [], []
+            for start, length, slot, points in zip(starts, chunk_lens, state_slots, saves, strict=True):
+                bounds = [0, *(o for o, _ in points), length]
+                if r + 1 >= len(bounds):
+                    continue
+                tokens.extend(range(start + bounds[r], start + bounds[r + 1]))
+                cu.append(len(tokens))
+                slots.append(slot)
+                if r < len(points):
+                    save_from.append(slot)
+                    save_to.append(points[r][1])
+            pieces.append(
+                ScanPiece(
+                    to_device(tokens, torch.int64, device),
+                    to_device(cu, torch.int32, device),
+                    to_device(slots, torch.int64, device),
+                    to_device(save_from, torch.int64, device),
+                    to_device(save_to, torch.int64, device),
+                )
+            )
+        flat = [
+            (start, slot, offset, ck)
+            for start, slot, points in zip(starts, state_slots, saves, strict=True)
+            for offset, ck in points
+        ]
+        conv_slots = [slot for _, slot, _, _ in flat]
+        conv_to = [ck for _, _, _, ck in flat]
+        rows = [_conv_rows(m, len(flat), f[0], f[2], history_len) for m, f in enumerate(flat)]
+        return MidPassSaves(
+            pieces,
+            to_device(conv_slots, torch.int64, device),
+            to_device(conv_to, torch.int64, device),
+            to_device(rows, torch.int64, device),
+        )
+
+    def save_conv(self, x: torch.Tensor, conv_pool: torch.Tensor) -> None:
+        """Write each checkpoint's conv state from the layer's packed conv input `x` [T, C]; call
+        it before the conv op, while the slots still hold the history before this pass."""
+        history = conv_pool.index_select(0, self.conv_slots)  # [M, C, W-1]
+        channels = history.shape[1]
+        source = torch.cat([history.transpose(1, 2).reshape(-1, channels), x.to(conv_pool.dtype)])
+        conv_pool.index_copy_(0, self.conv_to, source[self.conv_rows].transpose(1, 2))
+
+    def scan(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        recurrent_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        """`ops.gdn_chunk_prefill` over the whole pass, in pieces, saving the checkpoints."""
+        out = torch.empty_like(v)
+        for piece in self.pieces:
+            t = piece.tokens
+            out[t] = ops.gdn_chunk_prefill(
+                q[t], k[t], v[t], g[t], beta[t], piece.cu_seqlens, recurrent_pool, piece.state_slots
+            )
+            if piece.save_to.numel():
+                recurrent_pool.index_copy_(0, piece.save_to, recurrent_pool.index_select(0, piece.save_from))
+        return out
+
+
+def _conv_rows(m: int, num_saves: int, start: int, offset: int, history_len: int) -> list[int]:
+    """Rows of cat(history [num_saves * W-1], x) holding the W-1 conv inputs before token `offset`
+    of a chunk packed from row `start` of x: from x inside the chunk, else save m's history."""
+    window = [offset - history_len + w for w in range(history_len)]
+    return [num_saves * history_len + start + p if p >= 0 else (m + 1) * history_len + p for p in window]

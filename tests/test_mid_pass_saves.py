@@ -1,0 +1,119 @@
+"""Checkpoints taken inside a pass (pdserve.model.mid_pass_saves) equal the states of chunks that
+stop there, op by op and through the engine; a chat prompt's resume point costs no pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve import LLM, SamplingParams, ops
+from pdserve.check import read_checkpoint
+from pdserve.model.mid_pass_saves import MidPassSaves
+from tests.helpers import random_prompts
+
+C, HISTORY, HK, HV, DK, DV = 64, 3, 2, 4, 32, 32
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _inputs(num_tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, C, generator=g)
+    q = torch.randn(num_tokens, HK, DK, generator=g)
+    k = torch.randn(num_tokens, HK, DK, generator=g)
+    v = torch.randn(num_tokens, HV, DV, generator=g)
+    gate = -F.softplus(torch.randn(num_tokens, HV, generator=g))
+    beta = torch.rand(num_tokens, HV, generator=g)
+    return x, q, k, v, gate, beta
+
+
+def _stopping_chunks(x, q, k, v, gate, beta, weight, conv, recurrent, lengths, slots, saves):
+    """The reference: each piece of each sequence a pass of its own, the slot copied after it."""
+    conv_out, out, start = [], [], 0
+    for length, slot, points in zip(lengths, slots, saves, strict=True):
+        bounds = [0, *(o for o, _ in points), length]
+        for r in range(len(bounds) - 1):
+            s = slice(start + bounds[r], start + bounds[r + 1])
+            one = torch.tensor([0, s.stop - s.start], dtype=torch.int32)
+            ids = torch.tensor([slot])
+            conv_out.append(ops.causal_conv1d_prefill(x[s], weight, one, conv, ids))
+            out.append(ops.gdn_chunk_prefill(q[s], k[s], v[s], gate[s], beta[s], one, recurrent, ids))
+            if r < len(points):
+                ck = points[r][1]
+                conv[ck], recurrent[ck] = conv[slot], recurrent[slot]
+        start += length
+    return torch.cat(conv_out), torch.cat(out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saves_inside_a_pass_equal_chunks_that_stop_there(device: str) -> None:
+    """Four sequences packed, with 1, 0, 0 and 2 save points (one within the first W-1 tokens,
+    where the conv state still holds history from before the pass, one past a 64-token scan
+    chunk): outputs and every state equal running each piece as a pass of its own and copying
+    the slot after it (the CPU reference; on CUDA within fla's tf32 rounding)."""
+    lengths, slots = [5, 7, 1, 90], [0, 1, 2, 3]
+    saves = [[(2, 4)], [], [], [(1, 5), (70, 6)]]
+    inputs = _inputs(sum(lengths), seed=1)
+    weight = torch.randn(C, HISTORY + 1, generator=torch.Generator().manual_seed(2))
+    conv = torch.randn(7, C, HISTORY)
+    recurrent = torch.randn(7, HV, DK, DV) * 0.1
+    ref_conv, ref_recurrent = conv.clone(), recurrent.clone()
+    ref_conv_out, ref_out = _stopping_chunks(*inputs, weight, ref_conv, ref_recurrent, lengths, slots, saves)
+
+    x, q, k, v, gate, beta = (t.to(device) for t in inputs)
+    conv, recurrent, weight = conv.to(device), recurrent.to(device), weight.to(device)
+    saved = MidPassSaves.build(lengths, slots, saves, HISTORY, device)
+    cu = torch.tensor([0, 5, 12, 13, 103], dtype=torch.int32, device=device)
+    saved.save_conv(x, conv)
+    conv_out = ops.causal_conv1d_prefill(x, weight, cu, conv, torch.tensor(slots, device=device))
+    out = saved.scan(q, k, v, gate, beta, recurrent)
+
+    tol = {"rtol": 1e-5, "atol": 1e-5} if device == "cpu" else {"rtol": 5e-3, "atol": 5e-3}
+    torch.testing.assert_close(conv_out.cpu(), ref_conv_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv.cpu(), ref_conv, rtol=0, atol=0)
+    torch.testing.assert_close(out.cpu(), ref_out, **tol)
+    torch.testing.assert_close(recurrent.cpu(), ref_recurrent, **tol)
+
+
+def test_no_saves_build_nothing_and_bad_offsets_are_refused() -> None:
+    assert MidPassSaves.build([4, 1], [0, 1], [[], []], HISTORY, "cpu") is None
+    for bad in ([(0, 3)], [(4, 3)], [(2, 3), (2, 5)], [(3, 3), (1, 5)]):
+        with pytest.raises(ValueError, match="inside a chunk"):
+            MidPassSaves.build([4, 1], [0, 1], [bad, []], HISTORY, "cpu")
+
+
+def _prefill_passes(llm: LLM) -> list[int]:
+    """Record the tokens of every pass the engine runs from now on."""
+    runner, passes = llm.engine.runner, []
+    execute = runner.execute
+
+    def counted(scheduled: list, *args: object) -> torch.Tensor:
+        passes.append(sum(s.num_new_tokens for s in scheduled))
+        return execute(scheduled, *args)
+
+    runner.execute = counted
+    return passes
+
+
+def test_resume_point_is_saved_in_the_prompts_one_pass(cached_llm: LLM) -> None:
+    """A prompt ending with a resume suffix runs as one pass (packed with another), and its
+    resume checkpoint holds the state of the body alone: a prompt that stops there."""
+    engine, cache = cached_llm.engine, cached_llm.engine.prefix_cache
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    body, suffix, other = random_prompts((100, 3, 57), seed=41)
+    cached_llm.generate(body, one)
+    (alone,) = [read_checkpoint(engine, e) for e in cache.entries.values() if e.kind == "end"]
+    cache.clear()
+    cache.resume_suffixes = [tuple(suffix)]
+    passes = _prefill_passes(cached_llm)
+    try:
+        cached_llm.generate([body + suffix, other], one)
+    finally:
+        del engine.runner.execute
+    # one prefill pass (then, running a step ahead, perhaps a decode step of one token each)
+    assert passes[0] == len(body) + len(suffix) + len(other) and all(p <= 2 for p in passes[1:])
+    (resume,) = [e for e in cache.entries.values() if e.kind == "resume"]
+    assert resume.num_tokens == len(body)
+    inside = read_checkpoint(engine, resume)
+    torch.testing.assert_close(inside.conv, alone.conv, rtol=0, atol=0)
+    torch.testing.assert_close(inside.recurrent, alone.recurrent)
