@@ -34,7 +34,7 @@ profile_roles() {
      done; wait) &
 }
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     $W/.whl-serve/*.whl $W/.whl-aiperf/*.whl $W/.whl/fla_core*.whl $(ls $W/.whl-prof/*.whl 2>/dev/null) >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 mkdir -p /tmp/rx && for f in $W/.redis/*.deb; do dpkg -x "$f" /tmp/rx; done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:/tmp/rx/usr/bin:$PATH
@@ -96,6 +96,7 @@ if [ -n "$CONV" ]; then
         --extra-inputs ignore_eos:true --conversation-num "$c" --conversation-turn-mean "$turns" \
         --conversation-turn-stddev 0 --concurrency "$c" --ui none --artifact-dir /tmp/aiperf/conv \
         >"$OUT/aiperf-conv.log" 2>&1
+    find /tmp/aiperf/conv -name profile_export.jsonl -exec cp {} "$OUT/conv-records.jsonl" \;
     python3 - /tmp/aiperf/conv <<'EOF3' | tee -a "$OUT/bench.log"
 import collections, json, pathlib, statistics, sys
 rows = collections.defaultdict(list)

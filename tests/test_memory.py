@@ -92,20 +92,25 @@ def fill_random(kv: KvPagePool, states: GdnStatePool) -> None:
     ],
 )
 def test_host_tier_round_trip(device: str) -> None:
-    """An entry stored on the host tier comes back bit for bit into other pages and slot; each
-    host unit is one contiguous block (what lets a GPU copy run without the host waiting)."""
+    """An entry stored on the host tier comes back bit for bit into other pages and slot, its
+    host pages in several runs (a freed entry's and fresh ones); each host unit is one contiguous
+    block (what lets a GPU copy run without the host waiting)."""
     tier, kv, states = host_tier_of(device)
     fill_random(kv, states)
-    pages, slot = [4, 1], 2
+    first, spacer = tier.store([0, 2], 0), tier.store([3], 0)
+    tier.free(*first)
+    pages, slot = [4, 1, 5], 2
     want = (kv.kv[:, :, pages].clone(), states.conv[:, slot].clone(), states.recurrent[:, slot].clone())
     host_pages, host_ck = tier.store(pages, slot)
+    assert sorted(host_pages) != list(range(min(host_pages), min(host_pages) + 3)), "one run only"
     assert all(tier.kv[h].is_contiguous() for h in host_pages) and tier.recurrent[host_ck].is_contiguous()
     fill_random(kv, states)  # the device copies are overwritten
-    tier.load(host_pages, host_ck, [0, 5], 1)
-    got = (kv.kv[:, :, [0, 5]], states.conv[:, 1], states.recurrent[:, 1])
+    tier.load(host_pages, host_ck, [0, 3, 2], 1)
+    got = (kv.kv[:, :, [0, 3, 2]], states.conv[:, 1], states.recurrent[:, 1])
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.cpu(), b.cpu())
     tier.free(host_pages, host_ck)
+    tier.free(*spacer)
     assert (tier.num_free_pages, tier.num_free_checkpoints) == (tier.num_pages, tier.num_checkpoints)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 
 logger = logging.getLogger(__name__)
+SLOW_STEP_S = 1.0  # a step this long is logged: no healthy step takes it
 
 
 class EngineThread:
@@ -131,7 +132,17 @@ class EngineThread:
                 self.engine.abort(request_id)
             self.on_error(failed, f"engine step failed: {type(e).__name__}: {e}")
             return True
-        self.on_step(time.perf_counter() - start)
+        took = time.perf_counter() - start
+        self.on_step(took)
+        if took > SLOW_STEP_S:
+            s = self.engine.scheduler
+            logger.warning(
+                "an engine step took %.2f s (%d running, %d waiting after it; a kernel shape compiled "
+                "or autotuned under traffic, or host work in the step)",
+                took,
+                len(s.running),
+                len(s.waiting),
+            )
         if outputs:
             self.on_outputs(outputs)
         return ran or bool(self.engine.scheduler.running) or bool(outputs)

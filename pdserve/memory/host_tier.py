@@ -3,7 +3,8 @@ KV pages of entries evicted from the device (`--snapshot-pool-mb`).
 
 Pools unit-major, so each host unit (a checkpoint, a page) is one contiguous block of pinned
 memory: `conv` [checkpoints, layers, ...], `recurrent` [checkpoints, layers, ...], `kv` [pages,
-layers, 2, page_size, Hkv, D]; an entry moves with one copy per page and one per state tensor.
+layers, 2, page_size, Hkv, D]; an entry's pages move with one gather (or scatter) on the device
+and one copy per run of consecutive host pages, its state with one copy per state tensor.
 The budget is split between checkpoints and pages in proportion to what one entry of
 `typical_tokens` tokens needs.
 
@@ -23,6 +24,7 @@ import torch
 
 from pdserve.memory.kv_pool import KvPagePool
 from pdserve.memory.state_pool import GdnStatePool
+from pdserve.pinned import to_device
 
 
 class HostTier:
@@ -66,8 +68,10 @@ class HostTier:
         host_pages = [self._free_pages.pop() for _ in pages]
         host_ck = self._free_checkpoints.pop()
         pinned = self.kv.is_pinned()
-        for page, host in zip(pages, host_pages, strict=True):
-            self.kv[host].copy_(self.kv_pool.kv[:, :, page], non_blocking=pinned)
+        if pages:  # one gather into unit-major order, then one copy per run of host pages
+            units = self.kv_pool.kv.index_select(2, self._index(pages)).movedim(2, 0).contiguous()
+            for at, n, first in _runs(host_pages):
+                self.kv[first : first + n].copy_(units[at : at + n], non_blocking=pinned)
         self.conv[host_ck].copy_(self.states.conv[:, slot], non_blocking=pinned)
         self.recurrent[host_ck].copy_(self.states.recurrent[:, slot], non_blocking=pinned)
         return host_pages, host_ck
@@ -75,16 +79,36 @@ class HostTier:
     def load(self, host_pages: list[int], host_ck: int, pages: list[int], slot: int) -> None:
         """Copy an entry back into device pages `pages` and state slot `slot`."""
         pinned = self.kv.is_pinned()
-        for host, page in zip(host_pages, pages, strict=True):
-            self.kv_pool.kv[:, :, page].copy_(self.kv[host], non_blocking=pinned)
+        if pages:  # one copy per run of host pages into a unit-major buffer, then one scatter
+            units = torch.empty(
+                (len(pages), *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.kv_pool.kv.device
+            )
+            for at, n, first in _runs(host_pages):
+                units[at : at + n].copy_(self.kv[first : first + n], non_blocking=pinned)
+            self.kv_pool.kv.index_copy_(2, self._index(pages), units.movedim(0, 2))
         self.states.conv[:, slot].copy_(self.conv[host_ck], non_blocking=pinned)
         self.states.recurrent[:, slot].copy_(self.recurrent[host_ck], non_blocking=pinned)
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        return to_device(pages, torch.int64, self.kv_pool.kv.device)
 
     def free(self, host_pages: list[int], host_ck: int) -> None:
         if host_ck in self._free_checkpoints:
             raise RuntimeError(f"host checkpoint {host_ck} freed twice")
         self._free_pages.extend(host_pages)
         self._free_checkpoints.append(host_ck)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index into `ids`, length, first id) of each run of consecutive ids in `ids`."""
+    runs: list[tuple[int, int, int]] = []
+    for i, unit in enumerate(ids):
+        if runs and unit == runs[-1][2] + runs[-1][1]:
+            at, n, first = runs[-1]
+            runs[-1] = (at, n + 1, first)
+        else:
+            runs.append((i, 1, unit))
+    return runs
 
 
 def _unit_bytes(pool: torch.Tensor, unit_dim: int) -> int:
