@@ -43,7 +43,8 @@ def gdn_chunk_prefill(
     l2-normalises q/k inside. The N initial states are gathered from the pool (one copy of N x 2 MiB
     at the real shape) and the final states scattered back. fla reads cu_seqlens on the host to
     index its chunks, caching the result by tensor identity: `_as_long` hands every layer of a
-    pass the same int64 tensor, so that read happens once a pass, not once a layer.
+    pass the same int64 tensor for the same cu_seqlens, so that read happens once a pass (once
+    a piece, for a pass scanned in pieces), not once a layer.
     """
     rule = _fla_chunk_rule()
     dtype = v.dtype
@@ -67,15 +68,20 @@ def gdn_chunk_prefill(
     return out[0]
 
 
-_long_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (a pass's int32 cu_seqlens, its int64 copy)
+_LONG_KEPT = 4  # fla's own identity cache holds its last 4 calls (FLA_TENSOR_CACHE_SIZE)
+_long_of: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a pass's int32 cu_seqlens, its int64 copy)
 
 
 def _as_long(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The int64 copy of a pass's cu_seqlens, made once for all the layers of the pass."""
-    global _long_of
-    if _long_of is None or _long_of[0] is not cu_seqlens:
-        _long_of = (cu_seqlens, cu_seqlens.long())
-    return _long_of[1]
+    """The int64 copy of a pass's cu_seqlens, made once for all the layers of the pass. A pass
+    that scans in pieces (`pdserve.model.mid_pass_saves`) alternates between a few cu_seqlens
+    every layer: each keeps its copy, so fla's host read of it (a device sync) stays once a pass."""
+    for kept, long in _long_of:
+        if kept is cu_seqlens:
+            return long
+    _long_of.append((cu_seqlens, cu_seqlens.long()))
+    del _long_of[:-_LONG_KEPT]
+    return _long_of[-1][1]
 
 
 @triton.jit
