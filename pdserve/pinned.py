@@ -24,6 +24,22 @@ def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: Devic
     return host.to(dtype).pin_memory().to(device, non_blocking=True)
 
 
+def to_device_many(lists: Sequence[Sequence[int]], dtype: torch.dtype, device: Device) -> list[torch.Tensor]:
+    """Several int lists as `dtype` tensors on `device`: one pinned buffer and one copy for all of
+    them, where `to_device` would pin and copy each. Each is a view starting on a 16-byte
+    boundary, as a tensor of its own would (Triton specialises kernels on pointer alignment)."""
+    per_line = 16 // dtype.itemsize
+    flat, starts = [], []
+    for values in lists:
+        starts.append(len(flat))
+        flat.extend(values)
+        flat.extend([0] * (-len(flat) % per_line))
+    buffer = torch.tensor(flat, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        buffer = buffer.pin_memory().to(device, non_blocking=True)
+    return [buffer[start : start + len(values)] for start, values in zip(starts, lists, strict=True)]
+
+
 class HostCopy:
     """Device tensors copied to pinned host memory as soon as they are computed; `wait()` blocks
     until that copy (and only what the stream ran before it) is done."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model.mid_pass_saves import MidPassSaves
-from pdserve.pinned import to_device
+from pdserve.pinned import to_device_many
 
 
 @dataclass(slots=True)
@@ -60,20 +60,21 @@ class ForwardBatch:
             cu.append(cu[-1] + len(toks))
             seq_lens.append(start + len(toks))
         width = max(1, max(len(t) for t in block_tables))
-        tables = [t + [0] * (width - len(t)) for t in block_tables]
-
-        def as_tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(x, dtype, device)  # never waits for the step in flight
-
+        tables = [p for t in block_tables for p in (*t, *[0] * (width - len(t)))]
+        # two copies for the whole batch (never waiting for the step in flight): int64, int32
+        ids_t, positions_t, slots_t, state_t, logits_t = to_device_many(
+            [ids, positions, slots, state_slots, [c - 1 for c in cu[1:]]], torch.int64, device
+        )
+        cu_t, seq_lens_t, tables_t = to_device_many([cu, seq_lens, tables], torch.int32, device)
         return ForwardBatch(
-            input_ids=as_tensor(ids, torch.int64),
-            positions=as_tensor(positions, torch.int64),
-            cu_seqlens=as_tensor(cu, torch.int32),
-            seq_lens=as_tensor(seq_lens, torch.int32),
-            block_tables=as_tensor(tables, torch.int32),
-            slot_mapping=as_tensor(slots, torch.int64),
-            state_slots=as_tensor(state_slots, torch.int64),
-            logits_indices=as_tensor([c - 1 for c in cu[1:]], torch.int64),
+            input_ids=ids_t,
+            positions=positions_t,
+            cu_seqlens=cu_t,
+            seq_lens=seq_lens_t,
+            block_tables=tables_t.view(len(block_tables), width),
+            slot_mapping=slots_t,
+            state_slots=state_t,
+            logits_indices=logits_t,
             is_decode=all(len(t) == 1 for t in token_ids),
             max_query_len=max(len(t) for t in token_ids),
         )

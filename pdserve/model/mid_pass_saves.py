@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import ops
-from pdserve.pinned import to_device
+from pdserve.pinned import to_device, to_device_many
 
 
 @dataclass(slots=True)
@@ -73,15 +73,9 @@ class MidPassSaves:
                 if r < len(points):
                     save_from.append(slot)
                     save_to.append(points[r][1])
-            pieces.append(
-                ScanPiece(
-                    to_device(tokens, torch.int64, device),
-                    to_device(cu, torch.int32, device),
-                    to_device(slots, torch.int64, device),
-                    to_device(save_from, torch.int64, device),
-                    to_device(save_to, torch.int64, device),
-                )
-            )
+            lists = [tokens, slots, save_from, save_to]
+            tokens_t, slots_t, from_t, to_t = to_device_many(lists, torch.int64, device)
+            pieces.append(ScanPiece(tokens_t, to_device(cu, torch.int32, device), slots_t, from_t, to_t))
         flat = [
             (start, slot, offset, ck)
             for start, slot, points in zip(starts, state_slots, saves, strict=True)
@@ -90,12 +84,9 @@ class MidPassSaves:
         conv_slots = [slot for _, slot, _, _ in flat]
         conv_to = [ck for _, _, _, ck in flat]
         rows = [_conv_rows(m, len(flat), f[0], f[2], history_len) for m, f in enumerate(flat)]
-        return MidPassSaves(
-            pieces,
-            to_device(conv_slots, torch.int64, device),
-            to_device(conv_to, torch.int64, device),
-            to_device(rows, torch.int64, device),
-        )
+        width = len(rows[0])
+        slots_t, to_t, rows_t = to_device_many([conv_slots, conv_to, sum(rows, [])], torch.int64, device)
+        return MidPassSaves(pieces, slots_t, to_t, rows_t.view(len(rows), width))
 
     def save_conv(self, x: torch.Tensor, conv_pool: torch.Tensor) -> None:
         """Write each checkpoint's conv state from the layer's packed conv input `x` [T, C]; call
