@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.scheduler import describe_pass
 
 logger = logging.getLogger(__name__)
 SLOW_STEP_S = 1.0  # a step this long is logged: no healthy step takes it
@@ -137,9 +138,10 @@ class EngineThread:
         if took > SLOW_STEP_S:
             s = self.engine.scheduler
             logger.warning(
-                "an engine step took %.2f s (%d running, %d waiting after it; a kernel shape compiled "
-                "or autotuned under traffic, or host work in the step)",
+                "an engine step took %.2f s (last pass: %s; %d running, %d waiting after it): a kernel "
+                "shape compiled or autotuned under traffic, or host work in the step",
                 took,
+                describe_pass(self.engine.last_pass),
                 len(s.running),
                 len(s.waiting),
             )

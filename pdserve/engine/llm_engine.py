@@ -54,6 +54,7 @@ class LLMEngine:
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         self.runner = ModelRunner(config)
+        self.last_pass: list[ScheduledSeq] = []
         self.prefix_cache = None
         if config.enable_prefix_caching:
             checkpoints = GdnCheckpointPool(self.runner.state_pool, config.num_prefix_checkpoints)
@@ -171,6 +172,7 @@ class LLMEngine:
         return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None, scheduled_at: float) -> InFlight:
+        self.last_pass = scheduled  # what a slow step ran (EngineThread's warning names it)
         logits = self.runner.execute(scheduled, ahead.patch_for(scheduled) if ahead else None)
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:

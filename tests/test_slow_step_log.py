@@ -1,0 +1,34 @@
+"""A slow engine step is logged with the shape of the pass it ran (to find what compiled under
+traffic); a fast one is not."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine import engine_thread
+from pdserve.engine.engine_thread import EngineThread
+from tests.helpers import random_prompts
+
+
+def test_slow_step_warning_names_the_pass(
+    plain_llm: LLM, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = plain_llm.engine
+    thread = EngineThread(engine, on_outputs=lambda outputs: None, on_error=lambda ids, why: None)
+    (prompt,) = random_prompts((37,), seed=51)
+    engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    caplog.set_level(logging.WARNING, logger=engine_thread.__name__)
+    thread._safe_step()  # well under a second on the tiny model
+    assert "engine step took" not in caplog.text
+    monkeypatch.setattr(engine_thread, "SLOW_STEP_S", 0.0)
+    while engine.has_unfinished():
+        thread._safe_step()
+    assert "engine step took" in caplog.text and "1 decoding, 0 prefill chunks" in caplog.text
+    caplog.clear()
+    engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        thread._safe_step()
+    assert "0 decoding, 1 prefill chunks of 37 tokens (longest 37)" in caplog.text
