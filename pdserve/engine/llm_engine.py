@@ -4,46 +4,22 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.request_output import RequestOutput, output_of
 from pdserve.engine.run_ahead import InFlight, may_run_ahead
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence
 from pdserve.memory import GdnCheckpointPool
 from pdserve.pinned import HostCopy
 from pdserve.sampling.params import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplerOutput, SamplingState, make_generator, replay_draws
 from pdserve.sampling.stop import StopChecker
 from pdserve.tokenizer import Tokenizer, load_tokenizer
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's state after a step; `new_token_ids`/`text_delta` are what this step added.
-
-    `token_ids` and `logprobs` are the request's own lists (not copied every step: that would
-    cost O(length) per token), complete once `finished`; `text` is set once `finished` only
-    (joining it every step would cost as much).
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_token_ids: list[int] = field(default_factory=list)
-    text_delta: str = ""
-    logprobs: list[dict] | None = None
-    prompt_logprobs: list[dict | None] | None = None  # params.prompt_logprobs: None, then a token each
-    lease_id: str | None = None  # handed over: the state stays in the pools under this lease
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class LLMEngine:
@@ -209,7 +185,7 @@ class LLMEngine:
                 seq.finish_reason = "length"
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
-                outputs.append(self._output(seq, [], ""))
+                outputs.append(output_of(seq, [], ""))
                 continue
             if pending:
                 seq.output_token_ids[-1] = token
@@ -235,7 +211,7 @@ class LLMEngine:
                 else:
                     lease_id = self.scheduler.hold(seq).lease_id
                 self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [token], text_delta, lease_id))
+            outputs.append(output_of(seq, [token], text_delta, lease_id))
         if self.scheduler.decoding:  # outputs of unclaimed leases wait in them
             outputs = [out for out in outputs if not self._kept_for_claim(out)]
         return outputs
@@ -282,25 +258,6 @@ class LLMEngine:
             return None
         self.requests[request_id] = seq
         return []
-
-    def _output(
-        self, seq: Sequence, new_tokens: list[int], text_delta: str, lease_id: str | None = None
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=seq.stop_checker.text if seq.status is SequenceStatus.FINISHED else "",
-            finished=seq.status is SequenceStatus.FINISHED,
-            lease_id=lease_id,
-            num_cached_tokens=seq.num_cached_tokens,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            new_token_ids=new_tokens,
-            text_delta=text_delta,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            prompt_logprobs=seq.prompt_logprobs,
-        )
 
 
 class _NoText:
