@@ -154,13 +154,17 @@ class ModelRunner:
             page_size=self.config.page_size,
             device=self.device,
         )
-        batch.saves = MidPassSaves.build(
-            [s.num_new_tokens for s in scheduled],
-            [s.seq.state_slot for s in scheduled],
-            [[(p.position - s.seq.num_computed_tokens, p.checkpoint) for p in s.saves] for s in scheduled],
-            self.config.model_config.linear_conv_kernel_dim - 1,
-            self.device,
-        )
+        if any(s.saves for s in scheduled):  # a prefill pass crossing a planned checkpoint
+            offsets = [
+                [(p.position - s.seq.num_computed_tokens, p.checkpoint) for p in s.saves] for s in scheduled
+            ]
+            batch.saves = MidPassSaves.build(
+                [s.num_new_tokens for s in scheduled],
+                [s.seq.state_slot for s in scheduled],
+                offsets,
+                self.config.model_config.linear_conv_kernel_dim - 1,
+                self.device,
+            )
         apply_patch(batch.input_ids, patch)  # tokens of the step in flight, read on the device
         prompt_rows = plan_prompt_rows(scheduled)
         if self.graphs is not None and not prompt_rows and batch.saves is None and self.graphs.fits(batch):

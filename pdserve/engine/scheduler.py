@@ -154,20 +154,16 @@ class Scheduler(HandoverStates):
         position strictly inside it (one the cache declines is skipped, as a copy would be)."""
         item = ScheduledSeq(seq, n)
         plan = self._plans.get(seq)
-        while plan and plan[0][0] < start + n:
+        while plan and plan[0][0] < start + n:  # every position left lies past `start`
             position, kind = plan.pop(0)
-            if position <= start:  # reached at the end of the last chunk: saved (or declined) then
-                continue
             checkpoint = self.prefix_cache.reserve_save(seq, position, kind)
             if checkpoint is not None:
                 item.saves.append(PlannedSave(position, checkpoint, kind))
-        seq.checkpoint_at = plan[0][0] if plan else None
         return item
 
     def _plan_checkpoints(self, seq: Sequence, start: int, lookup: Lookup | None) -> None:
         plan = [] if self.prefix_cache is None else plan_checkpoints(self.prefix_cache, seq, start, lookup)
         self._plans[seq] = plan
-        seq.checkpoint_at = plan[0][0] if plan else None
 
     def make_room(self, pages: int) -> bool:
         """True once `pages` pages and a state slot are free (evicting cache entries if need be)."""
@@ -198,11 +194,10 @@ class Scheduler(HandoverStates):
             return
         for save in item.saves:
             cache.commit_save(seq, save.position, save.checkpoint, save.kind)
-        if seq.checkpoint_at is not None and n == seq.checkpoint_at:
-            plan = self._plans.get(seq) or [(n, "branch")]
+        plan = self._plans.get(seq)
+        if plan and plan[0][0] == n:  # the chunk ended on a planned position: copy the slot
             _, kind = plan.pop(0)
             cache.save(seq, kind)
-            seq.checkpoint_at = plan[0][0] if plan else None
         elif 0 < n < seq.num_prompt_tokens:
             cache.save(seq, "chunk")
 

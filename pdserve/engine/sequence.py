@@ -31,7 +31,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV and GDN state are in the pools
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
-    checkpoint_at: int | None = None  # prefix cache: save the GDN state when this many are computed
     last_checkpoint: int = 0  # prefix cache: tokens of the latest entry made from this sequence
     # prefix cache: the entry it started from, until it makes one further along (then that one
     # stands for it: `PrefixCache.supersede`)
