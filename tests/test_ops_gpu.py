@@ -161,6 +161,34 @@ def test_paged_attention_prefill(dtype: torch.dtype, earlier: bool) -> None:
     assert torch.equal(given, got)  # the grid sized from the host's figure, no device read
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(H, HKV, D), (4, 2, 32), (6, 2, 64)])  # Qwen3.6, tiny, a group of 3
+def test_gqa_tiled_prefill_kernel(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+    """The GQA-tiled prefill kernel (a tile of tokens x the group's heads; unmasked blocks before the
+    diagonal) against the reference, continuing earlier contexts of every alignment, over
+    NaN-poisoned spare pages."""
+    num_heads, num_kv_heads, head_dim = heads
+    q_lens = [*LENGTHS, 130]
+    context = [n + 37 * i for i, n in enumerate(q_lens)]
+    pages = [-(-n // PAGE) + 1 for n in context]
+    tables = torch.randperm(sum(pages) + 3)[: sum(pages)].split(pages)
+    tables = torch.nn.utils.rnn.pad_sequence(list(tables), batch_first=True).int()
+    kv = torch.full((2, sum(pages) + 3, PAGE, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    for i, n in enumerate(context):
+        for at in range(n):
+            kv[:, tables[i, at // PAGE], at % PAGE] = torch.randn(2, num_kv_heads, head_dim).to(dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
+    args = (cu(q_lens), torch.tensor(context, dtype=torch.int32), tables)
+    want = reference.paged_attention(q, kv, *args, head_dim**-0.5)
+    from pdserve.ops import cuda_prefill_attention  # Triton: not on CPU machines
+
+    for block_m, block_n in ((None, None), (128, 32)):
+        got = cuda_prefill_attention.paged_prefill(
+            q.cuda(), kv.cuda(), *(a.cuda() for a in args), head_dim**-0.5, block_m=block_m, block_n=block_n
+        )
+        assert got.dtype == dtype and rel_err(got, want) < TOL[dtype], (block_m, block_n)
+
+
 def moe_inputs(tokens: int, experts: int, hidden: int, inter: int, dtype: torch.dtype):
     x = torch.randn(tokens, hidden, device="cuda").to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden**-0.5).to(dtype)

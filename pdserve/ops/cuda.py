@@ -12,7 +12,7 @@ in a CUDA graph.
 | `causal_conv1d_prefill` | vectorised torch over the packed tokens |
 | `causal_conv1d_step` | Triton: history shifted in place |
 | `store_kv` | `index_copy_` into the flat page slots |
-| `paged_attention` | Triton: split-KV decode over the pages; causal flash prefill over the pages |
+| `paged_attention` | Triton: split-KV decode over the pages; GQA-tiled causal flash prefill over the pages |
 
 The per-layer ops (norms, rotary + KV store, gates, router) are `pdserve.ops.cuda_layers`; the MoE
 is `pdserve.ops.cuda_moe`.

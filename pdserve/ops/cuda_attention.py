@@ -3,8 +3,9 @@
 Decode (one query per sequence) is split-KV flash decoding: each (sequence, KV head, split)
 program scores the whole query-head group against its share of the context, and a second kernel
 merges the splits by their log-sum-exp; no host sync. Prefill (packed, possibly continuing an
-earlier context) is a causal flash-attention kernel over (query block, sequence, head); it reads
-the longest query length from the host once. Shapes are those of `pdserve.ops.paged_attention`.
+earlier context) is the GQA-tiled causal kernel of `cuda_prefill_attention`; it reads the longest
+query length from the host once when the caller does not give it. Shapes are those of
+`pdserve.ops.paged_attention`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops.cuda_prefill_attention import _dot, paged_prefill
 from pdserve.ops.reference import store_kv
 
 __all__ = ["paged_attention", "store_kv"]
@@ -20,13 +22,6 @@ __all__ = ["paged_attention", "store_kv"]
 _DECODE_BLOCK_N = 32
 _MIN_SPLIT_TOKENS = 64  # small batches split long contexts further, to fill the SMs
 _TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -140,76 +135,6 @@ def _paged_decode(
     return out
 
 
-@triton.jit
-def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
-    scale,
-    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    m_block = tl.program_id(0)
-    n = tl.program_id(1)
-    head = tl.program_id(2)
-    kv_head = head // GROUP
-    q_start = tl.load(cu_q_ptr + n)
-    q_len = tl.load(cu_q_ptr + n + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + n)
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    valid_m = offs_m < q_len
-    positions = seq_len - q_len + offs_m  # each query's position in its sequence
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=valid_m[:, None], other=0.0)  # fmt: skip
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
-    for block in range(0, end, BLOCK_N):
-        offs_n = block + tl.arange(0, BLOCK_N)
-        in_ctx = offs_n < end
-        visible = in_ctx[None, :] & (offs_n[None, :] <= positions[:, None])
-        m, l, acc = _online_softmax_block(
-            q, m, l, acc, offs_n, in_ctx, visible, n, kv_head,
-            k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, scale,
-            D=D, PAGE=PAGE, IEEE=IEEE,
-        )  # fmt: skip
-    out = acc / l[:, None]
-    tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=valid_m[:, None])  # fmt: skip
-
-
-def _paged_prefill(
-    q: torch.Tensor,
-    kv_layer: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_q_len: int | None = None,
-) -> torch.Tensor:
-    """q [T, H, D] packed -> [T, H, D]; the longest query run sizes the grid (read on the host
-    when the caller does not give it)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m = 64 if q.element_size() <= 2 else 32
-    out = torch.empty_like(q)
-    keys, values = kv_layer[0], kv_layer[1]
-    grid = (triton.cdiv(max_q_len, block_m), seq_lens.shape[0], num_heads)
-    _prefill_kernel[grid](
-        q, keys, values, out, block_tables, seq_lens, cu_seqlens_q,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale,
-        GROUP=num_heads // num_kv_heads, D=head_dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=32,
-        IEEE=q.dtype == torch.float32, num_warps=8, num_stages=2,
-    )  # fmt: skip
-    return out
-
-
 def paged_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -224,4 +149,4 @@ def paged_attention(
         q = q.contiguous()
     if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, sync-free
         return _paged_decode(q, kv_layer, seq_lens, block_tables, scale)
-    return _paged_prefill(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len)
+    return paged_prefill(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len)
