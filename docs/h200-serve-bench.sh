@@ -35,7 +35,7 @@ profile_roles() {
 }
 
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    $W/.whl-serve/*.whl $W/.whl-aiperf/*.whl $W/.whl/fla_core*.whl $(ls $W/.whl-prof/*.whl 2>/dev/null) >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+    $W/.whl-serve/*.whl $(ls $W/.whl-aiperf/*.whl 2>/dev/null) $W/.whl/fla_core*.whl $(ls $W/.whl-prof/*.whl 2>/dev/null) >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 mkdir -p /tmp/rx && for f in $W/.redis/*.deb; do dpkg -x "$f" /tmp/rx; done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:/tmp/rx/usr/bin:$PATH
 export LD_LIBRARY_PATH=/tmp/rx/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
