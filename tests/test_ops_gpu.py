@@ -136,13 +136,23 @@ def kv_setup(context: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_decode(dtype: torch.dtype) -> None:
-    context = [1, 15, 63, 64, 65, 300, 2049]
+@pytest.mark.parametrize(
+    ("context", "width"),
+    [
+        ([1, 15, 63, 64, 65, 300, 2049], None),
+        # the captured decode graph's table is as wide as max_model_len (262,144 tokens): each
+        # sequence splits its own length, a long one alone over every split
+        ([1, 15, 63, 64, 65, 300, 2049], 16384),
+        ([9000], 16384),
+    ],
+)
+def test_paged_attention_decode(dtype: torch.dtype, context: list[int], width: int | None) -> None:
     kv, tables = kv_setup(context, dtype)
     q = torch.randn(len(context), H, D).to(dtype)
-    args = (cu([1] * len(context)), torch.tensor(context, dtype=torch.int32), tables)
-    want = reference.paged_attention(q, kv.cpu(), *args, D**-0.5)
-    got = ops.paged_attention(q.cuda(), kv, *(a.cuda() for a in args), D**-0.5)
+    args = (cu([1] * len(context)), torch.tensor(context, dtype=torch.int32))
+    want = reference.paged_attention(q, kv.cpu(), *args, tables, D**-0.5)
+    wide = tables if width is None else F.pad(tables, (0, width - tables.shape[1]))
+    got = ops.paged_attention(q.cuda(), kv, *(a.cuda() for a in (*args, wide)), D**-0.5)
     assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
 
 

@@ -10,6 +10,13 @@ request would otherwise pay ~3 s). The shorter prompt is there because Triton co
 kernel again for integer arguments that are not multiples of 16 (a token count of 1,031 is
 not): on the H200 those variants were compiled under traffic before it (py-spy,
 docs/benchmarks.md).
+
+With the prefix cache on, chat traffic takes two more paths, warmed too: a prompt that ends
+with the chat template's generation prompt saves a checkpoint inside its pass (the GDN scan run
+in pieces, `pdserve.model.mid_pass_saves`: an 8.25 s step under traffic on the H200 before this,
+4 chat prompts of ~1,034 tokens), and the next turn restores that checkpoint and prefills on top
+of the cached context. So each size also gets a pass of chat prompts (one, and four packed), then
+a pass of their follow-ups.
 """
 
 from __future__ import annotations
@@ -19,42 +26,70 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.resume_points import resume_suffix
+from pdserve.prefix_stats import PrefixStats
 from pdserve.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 SHORT_PROMPT = 32  # tokens of each prompt in a packed warm-up pass
+PACKED_CHATS = 4  # chat prompts in a packed chat pass
+FOLLOW_UP = 32  # new tokens of a follow-up turn (then the generation prompt again)
 
 
-def warm_up_passes(engine: LLMEngine) -> list[list[int]]:
-    """Prompt lengths of each warm-up pass: one long prompt, or several short ones packed."""
+def _prompt(length: int, seed: int, vocab: int, suffix: tuple[int, ...] = ()) -> list[int]:
+    body = [(7 * seed + 13 * t + 1) % vocab for t in range(length - len(suffix))]
+    return body + list(suffix)
+
+
+def warm_up_passes(engine: LLMEngine, suffix: tuple[int, ...] | None = None) -> list[list[list[int]]]:
+    """The prompts of each warm-up pass. `suffix`: the chat template's generation prompt, for the
+    chat passes (none without it or without the prefix cache)."""
     c = engine.config
+    vocab = engine.model_config.vocab_size
     longest = min(c.max_num_batched_tokens, c.max_model_len - 4)
-    passes, n = [], 16
+    chats = suffix is not None and engine.prefix_cache is not None
+    passes: list[list[list[int]]] = []
+    n = 16
     while n <= longest:
-        passes.append([n])
-        passes.append([n - 1])
+        passes.append([_prompt(n, 0, vocab)])
+        passes.append([_prompt(n - 1, 0, vocab)])
         if n >= 2 * SHORT_PROMPT:
-            passes.append([SHORT_PROMPT] * min(n // SHORT_PROMPT, c.max_num_seqs))
+            count = min(n // SHORT_PROMPT, c.max_num_seqs)
+            passes.append([_prompt(SHORT_PROMPT, j, vocab) for j in range(count)])
+        if chats and n >= 4 * len(suffix):
+            for count in (1, PACKED_CHATS) if n // PACKED_CHATS >= 4 * len(suffix) else (1,):
+                turn = [_prompt(n // count - 1, 100 + j, vocab, suffix) for j in range(count)]
+                passes.append(turn)
+                if n // count + FOLLOW_UP + len(suffix) < c.max_model_len - 4:
+                    passes.append([p + _prompt(FOLLOW_UP + len(suffix), 200 + j, vocab, suffix)
+                                   for j, p in enumerate(turn)])  # fmt: skip
         n *= 2
     return passes
 
 
 def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> None:
     """Run every warm-up pass to completion (a few output tokens each), leaving the pools empty."""
-    passes = warm_up_passes(engine)
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
-    start = time.monotonic()
-    for i, lengths in enumerate(passes, 1):
-        for j, n in enumerate(lengths):
-            engine.add_request([(7 * j + t) % vocab for t in range(n)], params, f"warm-up-{i}-{j}")
-        while engine.has_unfinished():
-            engine.step()
-        took = time.monotonic() - start
-        progress(f"warm-up {i}/{len(passes)}: {len(lengths)} x {lengths[0]} tokens ({took:.0f} s)")
     cache = engine.prefix_cache
-    while cache is not None and cache.evict_one():  # warm-up prompts are nobody's prefix
-        pass
+    suffix = resume_suffix(engine.tokenizer) if engine.tokenizer is not None and cache is not None else None
+    passes = warm_up_passes(engine, suffix)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    saved = cache.resume_suffixes if cache is not None else []
+    if cache is not None and suffix:
+        cache.resume_suffixes = [suffix]
+    start = time.monotonic()
+    try:
+        for i, prompts in enumerate(passes, 1):
+            for j, prompt in enumerate(prompts):
+                engine.add_request(prompt, params, f"warm-up-{i}-{j}")
+            while engine.has_unfinished():
+                engine.step()
+            took = time.monotonic() - start
+            progress(f"warm-up {i}/{len(passes)}: {len(prompts)} x {len(prompts[0])} tokens ({took:.0f} s)")
+    finally:
+        if cache is not None:
+            cache.resume_suffixes = saved
+            cache.clear()  # warm-up prompts are nobody's prefix, and their hits nobody's figures
+            cache.stats = PrefixStats()
     if engine.tokenizer is not None:  # structured outputs' view of the vocabulary (~3 s, once)
         from pdserve.sampling.grammar import tokenizer_grammars  # xgrammar (and transformers): 0.9 s
 

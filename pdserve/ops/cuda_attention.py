@@ -2,7 +2,10 @@
 
 Decode (one query per sequence) is split-KV flash decoding: each (sequence, KV head, split)
 program scores the whole query-head group against its share of the context, and a second kernel
-merges the splits by their log-sum-exp; no host sync. Prefill (packed, possibly continuing an
+merges the splits by their log-sum-exp; no host sync. The split count comes from the shapes (so
+a captured graph replays it), the split length from each sequence's own length on the device: a
+block table as wide as `max_model_len` (the captured decode graph's) costs no serial work on a
+short context, and a long one is spread over every split. Prefill (packed, possibly continuing an
 earlier context) is the GQA-tiled causal kernel of `cuda_prefill_attention`; it reads the longest
 query length from the host once when the caller does not give it. Shapes are those of
 `pdserve.ops.paged_attention`.
@@ -51,14 +54,16 @@ def _online_softmax_block(
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table,
-    scale, split_tokens,
+    scale,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + n)
+    # this sequence's context in NUM_SPLITS equal runs of whole blocks, none under MIN_SPLIT tokens
+    split_tokens = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, seq_len)
     offs_g = tl.arange(0, G_PAD)
@@ -108,24 +113,23 @@ def _paged_decode(
     q: torch.Tensor, kv_layer: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [N, H, D] -> [N, H, D]. The split count depends only on shapes (N, block table width), so a
-    captured graph replays it for any context lengths."""
+    captured graph replays it for any context lengths; each sequence splits its own length."""
     num_seqs, num_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     group = num_heads // num_kv_heads
     max_tokens = block_tables.shape[1] * page_size
     wanted = triton.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
     num_splits = max(1, min(wanted, triton.cdiv(max_tokens, _MIN_SPLIT_TOKENS)))
-    split_tokens = triton.cdiv(triton.cdiv(max_tokens, num_splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
-    num_splits = triton.cdiv(max_tokens, split_tokens)
     part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     keys, values = kv_layer[0], kv_layer[1]
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, keys, values, block_tables, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-        scale, split_tokens,
+        scale,
         NUM_SPLITS=num_splits, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
-        PAGE=page_size, BLOCK_N=_DECODE_BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4,
+        PAGE=page_size, BLOCK_N=_DECODE_BLOCK_N, MIN_SPLIT=_MIN_SPLIT_TOKENS, IEEE=q.dtype == torch.float32,
+        num_warps=4,
     )  # fmt: skip
     out = torch.empty_like(q)
     _decode_merge_kernel[(num_seqs, num_heads)](
