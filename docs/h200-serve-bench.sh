@@ -22,6 +22,28 @@ MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
 PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv): py-spy records the engine and the router
 # for 12 s from PROFILE_AFTER (34) s into it: AIPerf's start (~20 s) and warm-up phase are over by then
 mkdir -p "$OUT"
+# Where the first tokens waited during a cell, from the router's /metrics before and after it:
+# mean seconds in the router for the burst, queued on the instance, prefilling, and TTFT itself
+snap() { curl -s localhost:8000/metrics >"/tmp/metrics-$1.txt"; }
+split() {
+    snap after
+    python3 - /tmp/metrics-before.txt /tmp/metrics-after.txt <<'EOF4' | tee -a "$OUT/bench.log"
+import re, sys
+def read(path):
+    found = {}
+    for name, value in re.findall(r"^(pdserve:[a-z_]+_(?:sum|count))(?:\{[^}]*\})? (\S+)$", open(path).read(), re.M):
+        found[name] = found.get(name, 0.0) + float(value)
+    return found
+before, after = read(sys.argv[1]), read(sys.argv[2])
+parts = []
+for label, name in [("router TTFT", "time_to_first_token_seconds"), ("burst wait", "prefill_burst_wait_seconds"),
+                    ("queued", "request_queue_time_seconds"), ("prefill", "request_prefill_time_seconds")]:
+    n = after.get(f"pdserve:{name}_count", 0) - before.get(f"pdserve:{name}_count", 0)
+    total = after.get(f"pdserve:{name}_sum", 0) - before.get(f"pdserve:{name}_sum", 0)
+    parts.append(f"{label} {1000 * total / n:.0f} ms" if n else f"{label} -")
+print("  first token, means over the cell:", " | ".join(parts))
+EOF4
+}
 log() { echo "[bench $(date +%T)] $*" | tee -a "$OUT/bench.log"; }
 # py-spy on the engine and the router for 12 s from PROFILE_AFTER s on (in the background)
 profile_roles() {
@@ -64,6 +86,7 @@ for cell in $CELLS; do
     isl=${cell%:*} c=${cell#*:}
     log "aiperf isl=$isl c=$c"
     [ "$cell" = "$PROFILE_CELL" ] && profile_roles
+    snap before
     timeout 200 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
         --tokenizer $MODEL --isl "$isl" --isl-stddev 0 --osl 256 --extra-inputs ignore_eos:true \
         --concurrency "$c" --request-count $((3 * c)) --warmup-request-count "$c" --ui none \
@@ -86,11 +109,13 @@ def m(key, stat="avg"):
 print("  output tok/s", m("output_token_throughput"), "| TTFT p50/p99 ms", m("time_to_first_token", "p50"),
       m("time_to_first_token", "p99"), "| ITL p50/p99 ms", m("inter_token_latency", "p50"), m("inter_token_latency", "p99"))
 EOF
+    split
 done
 if [ -n "$CONV" ]; then
     c=${CONV%:*} turns=${CONV#*:}
     log "aiperf conversations: $c x $turns turns ($UP_FLAGS)"
     [ "$PROFILE_CELL" = conv ] && profile_roles
+    snap before
     timeout 300 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
         --tokenizer $MODEL --shared-system-prompt-length 2048 --isl 128 --isl-stddev 0 --osl 128 \
         --extra-inputs ignore_eos:true --conversation-num "$c" --conversation-turn-mean "$turns" \
@@ -116,6 +141,7 @@ for turn in sorted(rows):
     print(f"  turn {turn + 1}: {len(ttft)} requests, TTFT p50 {statistics.median(ttft):.0f} ms "
           f"(max {max(ttft):.0f}), prompt {statistics.mean(prompt):.0f} tokens, cached {statistics.mean(cached):.0f}")
 EOF3
+    split
 fi
 if [ -n "$LONG" ]; then
     log "bench-long: $LONG"

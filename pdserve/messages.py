@@ -169,7 +169,8 @@ class PrefillResult:
     logprobs only). `prompt_logprobs` (asked for): one entry per prompt token, None for the first,
     then {"token_id", "logprob", "rank", "top_logprobs": {id: logprob}}.
     `error_code`: "invalid" (the request's own fault: HTTP 400), "queue_full" (503, retry later),
-    "aborted", "failed" (the engine failed it)."""
+    "aborted", "failed" (the engine failed it). `queue_s`: seconds from the request's arrival on
+    the instance to the first step that scheduled it; `prefill_s`: from then to its first token."""
 
     request_id: str
     token_id: int | None = 0
@@ -184,6 +185,8 @@ class PrefillResult:
     lease: Lease | None = None
     error: str | None = None
     error_code: str | None = None
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
 
     def to_wire(self) -> dict:
         wire = dataclasses.asdict(self)
@@ -197,6 +200,8 @@ class PrefillResult:
         _check("request_id", m.get("request_id"), str)
         _check("token_id", m.get("token_id", 0), int, optional=True)
         _check("prompt_logprobs", m.get("prompt_logprobs"), list, optional=True)
+        for name in ("queue_s", "prefill_s"):
+            _check(name, m.get(name, 0.0), float)
         return cls(**m)
 
 

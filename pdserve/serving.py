@@ -29,6 +29,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.warmup import warm_up
+from pdserve.ops import compile_watch
 from pdserve.registry import InstanceRegistry
 from pdserve.serving_stats import STATS_INTERVAL_S, ServingStats
 
@@ -184,7 +185,14 @@ class EngineHost:
         self.config = config
         self.engine = LLMEngine(config.engine)
         if self.engine.runner.device.type == "cuda":  # compile every shape before taking traffic
+            compile_watch.install()  # from now on the engine thread names what compiles in a step
             warm_up(self.engine)
+            built = compile_watch.take()
+            log.info(
+                "warm-up built %d Triton kernel specialisations (%.0f s)",
+                len(built),
+                sum(c.seconds for c in built),
+            )
         self.engine.scheduler.lease_ttl_s = config.handoff_timeout_s
         self.incarnation = secrets.token_hex(4)
         agent_name = f"{config.instance_id}#{self.incarnation}"

@@ -119,7 +119,7 @@ class PrefillService(ServiceRole):
         return aborted
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        results = []
+        results, now = [], time.monotonic()
         for out in outputs:
             seq = self._seqs.pop(out.request_id, None)
             if seq is None:  # not ours: decoding here (an engine holding both roles)
@@ -147,6 +147,7 @@ class PrefillService(ServiceRole):
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=out.num_cached_tokens,
                     lease=lease,
+                    **_timings(seq, now),
                 )
             )
         finished = [r for r in results if r.finished]
@@ -188,6 +189,12 @@ class PrefillService(ServiceRole):
         # progress thread on CPU): pump it often while anything is held for a transfer
         self.agent.take_done_notifications()
         return bool(self.engine.scheduler.held or self.engine.scheduler.decoding)
+
+
+def _timings(seq: Sequence, now: float) -> dict[str, float]:
+    """`seq`'s queue time (arrival here to first scheduled) and prefill time (to its first token)."""
+    scheduled = seq.arrival_time if seq.scheduled_time is None else seq.scheduled_time
+    return {"queue_s": scheduled - seq.arrival_time, "prefill_s": now - scheduled}
 
 
 def _refusal(request_id: str, message: str) -> PrefillResult:

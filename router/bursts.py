@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 
@@ -59,6 +60,7 @@ class Pending:
     sent_to: InstanceInfo | None = None  # the prefill instance its burst went to
     tries: int = 0
     holder: dict | None = None  # the prefill holder of its prefix, as a prefix_source (if it is busy)
+    created: float = field(default_factory=time.monotonic)  # when it asked for its first token
 
 
 @dataclass(slots=True)
@@ -194,6 +196,7 @@ class PrefillBursts:
                     self.metrics.prefix_pull_hints.inc()
         self.metrics.batch_size.observe(len(batch))
         waiting = {p.req.request_id: p for p in batch}
+        sent = time.monotonic()
         for p in batch:
             p.sent_to, p.tries = instance, p.tries + 1
         burst = PrefillBurst([p.item for p in batch]).to_wire()
@@ -205,6 +208,8 @@ class PrefillBursts:
                 pending = waiting.pop(result.request_id, None)
                 if pending is not None:
                     self.instances.in_flight[instance.instance_id] -= 1
+                    if result.error is None:
+                        self.metrics.first_token(sent - pending.created, result.queue_s, result.prefill_s)
                     _settle(pending, result, instance)
         except RpcError as e:
             if e.code not in INSTANCE_FAILURES:  # the burst itself was refused: not the instance's fault

@@ -73,11 +73,18 @@ def test_burst_larger_than_the_state_slots_streams_results(tiny_model_dir) -> No
         try:
             burst = [request(f"r{i}", [3 + i, 4, 5], max_tokens=4) for i in range(6)]
             stream = service.prefill({"requests": burst})
+            results = []
             for _ in range(6):  # release each lease as it arrives, as decode instances would
                 result = await asyncio.wait_for(anext(stream), timeout=30)
+                results.append(result)
                 release = {"request_id": result["request_id"], "lease_id": result["lease"]["lease_id"]}
                 assert (await service.release(release))["intact"] is True
             await stream.aclose()
+            # each result says how long it queued (the last four for one of the two sequences)
+            # and how long its prefill took
+            assert all(r["prefill_s"] > 0 and r["queue_s"] >= 0 for r in results)
+            first_two, rest = results[:2], results[2:]
+            assert min(r["queue_s"] for r in rest) > max(r["queue_s"] for r in first_two)
             assert_no_leaks(service.engine)
         finally:
             service.host.stop()

@@ -22,6 +22,7 @@ from typing import Any
 
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.scheduler import describe_pass
+from pdserve.ops import compile_watch
 
 logger = logging.getLogger(__name__)
 SLOW_STEP_S = 1.0  # a step this long is logged: no healthy step takes it
@@ -135,15 +136,21 @@ class EngineThread:
             return True
         took = time.perf_counter() - start
         self.on_step(took)
-        if took > SLOW_STEP_S:
+        compiled = compile_watch.take()  # Triton kernels built in this step (with the watch on)
+        if took > SLOW_STEP_S or compiled:
             s = self.engine.scheduler
+            why = (
+                f"{len(compiled)} Triton kernels compiled in it: {compile_watch.describe(compiled)}"
+                if compiled
+                else "no Triton compile seen: host work in the step, or an unwatched compile"
+            )
             logger.warning(
-                "an engine step took %.2f s (last pass: %s; %d running, %d waiting after it): a kernel "
-                "shape compiled or autotuned under traffic, or host work in the step",
+                "an engine step took %.2f s (last pass: %s; %d running, %d waiting after it); %s",
                 took,
                 describe_pass(self.engine.last_pass),
                 len(s.running),
                 len(s.waiting),
+                why,
             )
         if outputs:
             self.on_outputs(outputs)

@@ -23,6 +23,7 @@ the decode side) are `pdserve.engine.handover_states.HandoverStates`, a base of 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -132,6 +133,8 @@ class Scheduler(HandoverStates):
                 self.prefix_cache.stats.miss(lookup.reason)
             self._grow(seq, n)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             batch.append(self._with_saves(seq, start, n))
             budget -= n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,10 @@ class Sequence:
     # Hand-over (prefill service): after its first token the sequence is HELD, its pages and
     # slot kept under a lease until a decode instance has pulled them, instead of decoding on.
     handoff: bool = False
+    # `time.monotonic()` when it was built, and when a step first scheduled it (the request's
+    # queue time and prefill time, vLLM's request_queue_time / request_prefill_time)
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,105 @@
+"""Which Triton kernels compile, and when: a kernel compiled while the server serves stalls
+every request of that step (a first-seen shape or specialisation), which warm-up exists to
+prevent. `install()` hooks Triton's JIT (`triton.knobs.runtime`: a hook before each compile of a
+new specialisation, one after); `take()` hands over what compiled since the last call, each as
+its kernel's name with its specialised signature and the seconds it took (the compile, or the
+load from Triton's disk cache). The engine thread takes them after each step and names them in
+its log line (`pdserve.engine.engine_thread`); warm-up takes them to say how many it compiled.
+
+Without Triton (CPU machines without it) or with a Triton whose knobs lack the hooks, install()
+does nothing and take() stays empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """One kernel specialisation Triton built (or loaded from its disk cache)."""
+
+    kernel: str  # e.g. "fused_moe_kernel[num_warps=4, ...](a_ptr: *bf16, M: i32, ...)"
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"{self.kernel} ({self.seconds:.2f} s)"
+
+
+class CompileWatch:
+    """The compiles seen since the last `take()` (Triton may compile on any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started: dict[str, float] = {}
+        self._done: list[Compiled] = []
+        self.installed = False
+
+    def before(self, **kw: Any) -> bool:
+        """Triton's jit_cache_hook: note the start; False lets the compile go ahead."""
+        with self._lock:
+            self._started[str(kw.get("key"))] = time.perf_counter()
+        return False
+
+    def after(self, **kw: Any) -> None:
+        """Triton's jit_post_compile_hook: the specialisation is built."""
+        now = time.perf_counter()
+        with self._lock:
+            started = self._started.pop(str(kw.get("key")), now)
+            self._done.append(Compiled(str(kw.get("repr") or kw.get("key")), now - started))
+
+    def take(self) -> list[Compiled]:
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+
+WATCH = CompileWatch()
+
+
+def install() -> bool:
+    """Hook `WATCH` into Triton's JIT (once, beside any hooks already set); True when hooked."""
+    if WATCH.installed:
+        return True
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        log.debug("this Triton has no JIT hooks: compiles are not watched")
+        return False
+    runtime.jit_cache_hook = _chained(runtime.jit_cache_hook, WATCH.before)
+    runtime.jit_post_compile_hook = _chained(runtime.jit_post_compile_hook, WATCH.after)
+    WATCH.installed = True
+    return True
+
+
+def take() -> list[Compiled]:
+    """What compiled since the last call (empty when not installed)."""
+    return WATCH.take()
+
+
+def describe(compiled: list[Compiled], limit: int = 4) -> str:
+    """A log fragment naming the slowest compiles."""
+    slowest = sorted(compiled, key=lambda c: -c.seconds)
+    more = f", and {len(compiled) - limit} more" if len(compiled) > limit else ""
+    return "; ".join(str(c) for c in slowest[:limit]) + more
+
+
+def _chained(previous: Any, hook: Any) -> Any:
+    """`hook`, then any hook that was set before (its answer kept: a cache hook may skip)."""
+    if previous is None:
+        return hook
+
+    def both(**kw: Any) -> Any:
+        hook(**kw)
+        return previous(**kw)
+
+    return both

@@ -1,0 +1,86 @@
+"""The compile watch: what Triton built in an engine step is named in the engine's log."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+from pdserve.engine.engine_thread import EngineThread
+from pdserve.ops import compile_watch
+from pdserve.ops.compile_watch import CompileWatch, _chained
+
+
+def test_watch_pairs_each_compile_with_its_start() -> None:
+    watch = CompileWatch()
+    assert watch.before(key="k1", repr="kernel_a[num_warps=4](x: *bf16)") is False
+    watch.before(key="k2", repr="kernel_b()")
+    watch.after(key="k2", repr="kernel_b()")
+    watch.after(key="k1", repr="kernel_a[num_warps=4](x: *bf16)")
+    done = watch.take()
+    assert [c.kernel for c in done] == ["kernel_b()", "kernel_a[num_warps=4](x: *bf16)"]
+    assert done[1].seconds >= done[0].seconds >= 0
+    assert watch.take() == []  # handed over once
+
+
+def test_chained_hook_keeps_the_earlier_hooks_answer() -> None:
+    calls = []
+    earlier = lambda **kw: calls.append(("earlier", kw["key"])) or True  # noqa: E731 - a cache hit
+    both = _chained(earlier, lambda **kw: calls.append(("ours", kw["key"])) or False)
+    assert both(key="k") is True
+    assert calls == [("ours", "k"), ("earlier", "k")]
+    assert _chained(None, print) is print
+
+
+def test_describe_names_the_slowest_first() -> None:
+    compiled = [compile_watch.Compiled(f"k{i}", float(i)) for i in range(6)]
+    text = compile_watch.describe(compiled, limit=2)
+    assert text.startswith("k5 (5.00 s); k4 (4.00 s)") and text.endswith("and 4 more")
+
+
+class _Engine:
+    """An engine whose one step 'compiles' a kernel, as a first-seen shape would."""
+
+    def __init__(self) -> None:
+        self.scheduler = types.SimpleNamespace(running=[], waiting=[])
+        self.last_pass = []
+        self.requests = {}
+
+    def step(self) -> list:
+        compile_watch.WATCH.before(key="fresh", repr="gdn_chunk_kernel[num_warps=8](T: i32)")
+        compile_watch.WATCH.after(key="fresh", repr="gdn_chunk_kernel[num_warps=8](T: i32)")
+        return []
+
+
+def test_engine_thread_logs_a_compile_in_a_step(caplog: pytest.LogCaptureFixture) -> None:
+    compile_watch.take()
+    thread = EngineThread(_Engine(), on_outputs=lambda outputs: None, on_error=lambda ids, msg: None)
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.engine_thread"):
+        thread._safe_step()
+        thread._safe_step()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("1 Triton kernels compiled in it: gdn_chunk_kernel" in x for x in lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_install_sees_a_real_triton_compile() -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale_kernel(x_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * FACTOR, mask=offs < n)
+
+    assert compile_watch.install()
+    compile_watch.take()
+    x = torch.ones(100, device="cuda")
+    scale_kernel[(1,)](x, 100, FACTOR=3, BLOCK=128)
+    scale_kernel[(1,)](x, 100, FACTOR=3, BLOCK=128)  # built already: not seen again
+    torch.cuda.synchronize()
+    seen = compile_watch.take()
+    assert len(seen) == 1 and "scale_kernel" in seen[0].kernel and seen[0].seconds > 0
+    assert x[0].item() == 9.0
