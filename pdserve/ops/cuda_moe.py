@@ -114,13 +114,15 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     reduce: bool = True,
+    cfg: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, K] -> [T, H] in x's dtype
-    (reduce=False: the weighted rows of each pair, [T, K, H])."""
+    (reduce=False: the weighted rows of each pair, [T, K, H]). `cfg`: tile sizes other than
+    `_block_config`'s (pdserve.ops.bench_moe_tiles sweeps them)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
-    cfg = _block_config(num_tokens * top_k, num_experts)
+    cfg = cfg or _block_config(num_tokens * top_k, num_experts)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     pair_of_row = _pairs_by_expert(topk_ids, num_experts, block_m)
     num_blocks = pair_of_row.shape[0] // block_m

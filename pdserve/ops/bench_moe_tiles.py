@@ -1,0 +1,76 @@
+"""Tile sizes of the routed-expert GEMM at prefill sizes: `python -m pdserve.ops.bench_moe_tiles`.
+
+A prefill pass of T tokens gives the Triton grouped GEMM (pdserve.ops.cuda_moe) T x 8 (token,
+expert) pairs over 256 experts: from 1,024 tokens on, every expert gets dozens of rows and the
+kernel is compute-bound (T x 8 x 3 x 2048 x 512 x 2 FLOPs). Each candidate tile (BLOCK_M,
+BLOCK_N, BLOCK_K, warps, stages) runs both GEMMs of the block at the Qwen3.6 shape, CUDA-event
+median (`triton.testing.do_bench`), checked against the default tiles' output; torch's
+`_grouped_mm` is timed beside them. Prints, per T, each tile's time and TFLOP/s, the best first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from triton.testing import do_bench
+
+from pdserve.ops import cuda_moe
+from pdserve.ops.bench_ops import BF16_FLOPS, HIDDEN, INTER, TOPK, E, rand
+
+TILES = [
+    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+    for m, n, k, w, s in [
+        *itertools.product((64, 128), (64, 128), (64,), (4, 8), (3, 4)),
+        (64, 64, 128, 4, 3),
+        (64, 128, 128, 8, 3),
+    ]
+]
+
+
+def sweep(tokens: int) -> list[tuple[float, str]]:
+    torch.manual_seed(tokens)
+    w13, w2 = rand(E, 2 * INTER, HIDDEN) * 0.02, rand(E, HIDDEN, INTER) * 0.04
+    x = rand(tokens, HIDDEN)
+    weights, ids = torch.randn(tokens, E, device="cuda").softmax(-1).topk(TOPK, dim=-1)
+    weights = weights.to(torch.bfloat16)
+    flops = tokens * TOPK * 3 * HIDDEN * INTER * 2
+    want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
+    scale = want.float().abs().max().item()
+    rows = []
+    default = cuda_moe._block_config(tokens * TOPK, E)
+    for cfg in [None, *TILES]:
+        name = "default " + _name(default) if cfg is None else _name(cfg)
+        try:
+            got = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=cfg)
+            err = (got.float() - want.float()).abs().max().item() / scale
+            ms = do_bench(lambda c=cfg: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=c), rep=50)
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
+            print(f"  T={tokens} {name}: {type(e).__name__}")
+            continue
+        rows.append((ms, f"{name}  err {err:.1e}"))
+    ms = do_bench(lambda: cuda_moe.fused_moe_grouped_mm(x, w13, w2, weights, ids), rep=50)
+    rows.append((ms, "torch._grouped_mm (sorted rows)"))
+    rows.sort()
+    print(f"\nT={tokens} ({tokens * TOPK} pairs), {flops / 1e12:.2f} TFLOP:")
+    for ms, name in rows:
+        tflops = flops / ms / 1e9
+        share = 100 * tflops / (BF16_FLOPS / 1e12)
+        print(f"  {ms * 1e3:9.1f} us  {tflops:6.1f} TFLOP/s ({share:4.1f}%)  {name}")
+    return rows
+
+
+def _name(cfg: dict[str, int]) -> str:
+    return "m{BLOCK_M} n{BLOCK_N} k{BLOCK_K} w{num_warps} s{num_stages}".format(**cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tokens", nargs="*", type=int, default=[1024, 4096, 8192, 16384])
+    for tokens in parser.parse_args().tokens:
+        sweep(tokens)
+
+
+if __name__ == "__main__":
+    main()
