@@ -161,6 +161,9 @@ def test_concurrent_burst_is_packed_and_spread(stack: Stack, offline: LLM) -> No
     lengths = [4 + i % 9 for i in range(32)]
     batches_before = metric(stack, "pdserve:prefill_batch_size_count")
     requests_before = metric(stack, "pdserve:prefill_batch_size_sum")
+    waits = ("time_to_first_token", "prefill_burst_wait", "request_queue_time", "request_prefill_time")
+    waits_before = {w: stack.metric(f"pdserve:{w}_seconds_sum") for w in waits}
+    counts_before = {w: stack.metric(f"pdserve:{w}_seconds_count") for w in waits}
 
     async def run_all():
         client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -179,6 +182,13 @@ def test_concurrent_burst_is_packed_and_spread(stack: Stack, offline: LLM) -> No
     batches = metric(stack, "pdserve:prefill_batch_size_count") - batches_before
     requests = metric(stack, "pdserve:prefill_batch_size_sum") - requests_before
     assert requests == 32 and batches < 32, f"32 requests went out in {batches} bursts: none was packed"
+    # where each first token waited: in the router, queued on the instance, prefilling; together
+    # no longer than the router's TTFT (which adds the wire)
+    spent = {w: stack.metric(f"pdserve:{w}_seconds_sum") - waits_before[w] for w in waits}
+    assert all(stack.metric(f"pdserve:{w}_seconds_count") - counts_before[w] == 32 for w in waits)
+    assert spent["request_prefill_time"] > 0 and min(spent.values()) >= 0
+    parts = spent["prefill_burst_wait"] + spent["request_queue_time"] + spent["request_prefill_time"]
+    assert parts <= spent["time_to_first_token"], spent
     for i in range(2):
         assert metric(stack, "pdserve:decode_requests_total", f'{{instance="decode-{i}"}}') > 0
 
