@@ -35,13 +35,15 @@ def read(path):
         found[name] = found.get(name, 0.0) + float(value)
     return found
 before, after = read(sys.argv[1]), read(sys.argv[2])
-parts = []
+parts, means = [], []
 for label, name in [("router TTFT", "time_to_first_token_seconds"), ("burst wait", "prefill_burst_wait_seconds"),
                     ("queued", "request_queue_time_seconds"), ("prefill", "request_prefill_time_seconds")]:
     n = after.get(f"pdserve:{name}_count", 0) - before.get(f"pdserve:{name}_count", 0)
     total = after.get(f"pdserve:{name}_sum", 0) - before.get(f"pdserve:{name}_sum", 0)
     parts.append(f"{label} {1000 * total / n:.0f} ms" if n else f"{label} -")
-print("  first token, means over the cell:", " | ".join(parts))
+    means.append(1000 * total / n if n else 0.0)
+rest = means[0] - sum(means[1:])  # templating + tokenizing before the burst, and the wire back
+print("  first token, means over the cell:", " | ".join(parts), f"| rest {rest:.0f} ms")
 EOF4
 }
 log() { echo "[bench $(date +%T)] $*" | tee -a "$OUT/bench.log"; }
