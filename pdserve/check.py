@@ -115,20 +115,18 @@ def checkpoint_states(
     cache = engine.prefix_cache
     if cache is None:
         raise ValueError("the checkpoint pack check needs the prefix cache on")
-    saved = cache.resume_suffixes
     cache.clear()
-    cache.resume_suffixes = [resume_suffix]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    try:
-        for batch in [prompts] if packed else [[p] for p in prompts]:
-            for p in batch:
-                engine.add_request(p, params)
-            while engine.has_unfinished():
-                engine.step()
-        found = {e.key: read_checkpoint(engine, e) for e in cache.entries.values()}
-    finally:
-        cache.clear()
-        cache.resume_suffixes = saved
+    with cache.using_resume_suffixes([resume_suffix]):
+        try:
+            for batch in [prompts] if packed else [[p] for p in prompts]:
+                for p in batch:
+                    engine.add_request(p, params)
+                while engine.has_unfinished():
+                    engine.step()
+            found = {e.key: read_checkpoint(engine, e) for e in cache.entries.values()}
+        finally:
+            cache.clear()
     return found
 
 

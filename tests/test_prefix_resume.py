@@ -1,8 +1,11 @@
 """Prefix cache II, engine level: checkpoints at the exact end of a prompt and of a generation,
 at a resume point and at a branch point; any kind of hit gives the tokens of no cache (greedy),
-alone and packed with other prompts; stats count hits and misses; nothing leaks."""
+alone and packed with other prompts; stats count hits and misses; nothing leaks. Resume
+suffixes set for a block come back as they were after it."""
 
 from __future__ import annotations
+
+import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.resume_points import resume_suffix
@@ -68,6 +71,19 @@ def test_resume_point_of_a_template_that_drops_reasoning(cached_llm: LLM, plain_
     out = cached_llm.generate(turn2, GREEDY)[0]
     assert out.num_cached_tokens == len(body)
     assert out.token_ids == plain_llm.generate(turn2, GREEDY)[0].token_ids
+
+
+def test_resume_suffixes_are_put_back_after_the_block(cached_llm: LLM) -> None:
+    """`using_resume_suffixes` (warm-up's, the pack check's): the suffixes given inside the
+    block, the serving ones again after it, an exception inside it included."""
+    cache = cached_llm.engine.prefix_cache
+    serving = [(5, 6)]
+    cache.resume_suffixes = serving
+    with pytest.raises(RuntimeError, match="inside"), cache.using_resume_suffixes([(7, 8, 9)]):
+        assert cache.resume_point([1, 2, 3, 7, 8, 9]) == 3 and cache.resume_point([1, 5, 6]) == 0
+        raise RuntimeError("inside")
+    assert cache.resume_suffixes is serving
+    assert cache.resume_point([1, 2, 3, 7, 8, 9]) == 0 and cache.resume_point([1, 5, 6]) == 1
 
 
 def test_branch_point_checkpoint_serves_the_third_sibling(cached_llm: LLM, plain_llm: LLM) -> None:

@@ -1,28 +1,57 @@
 """Warm-up runs one pass of every prefill size class (one prompt, one a token shorter, packed short
 prompts, and with the prefix cache chat prompts ending in the generation prompt, one and packed,
 then their follow-up turns) and leaves the engine as it found it: no request, no page or slot
-held, no prefix-cache entry, no hit counted."""
+held, no prefix-cache entry, no hit counted.
+
+One engine serves the module. Its budget of 64 tokens runs every kind of pass (sizes 16 to 64,
+17 passes; a budget of 128 only adds 7 bigger ones), and the passes of a 128-token budget are
+checked as lists. Its 16-token prefix blocks let those short chat prompts save and restore
+checkpoints (64-token blocks, the default, admit no entry under 64 tokens)."""
 
 from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.resume_points import resume_suffix
-from pdserve.engine.warmup import warm_up, warm_up_passes
+from pdserve.engine.warmup import PACKED_CHATS, warm_up, warm_up_passes
 from tests.helpers import assert_no_leaks
 
 
-def test_warm_up_covers_every_size_and_leaves_nothing(tiny_model_dir) -> None:
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> LLMEngine:
     config = EngineConfig(
-        model=str(tiny_model_dir), max_model_len=512, max_num_batched_tokens=128, enable_prefix_caching=True
+        model=str(tiny_model_dir),
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+        prefix_block_size=16,
     )
-    engine = LLMEngine(config)
+    return LLMEngine(config)
+
+
+def with_budget(engine: LLMEngine, tokens: int) -> LLMEngine:
+    """A shallow copy of `engine` whose config has a budget of `tokens` a pass: what
+    `warm_up_passes` reads of an engine so configured (its model, limits and cache are the
+    same), without loading one."""
+    bigger = copy.copy(engine)
+    bigger.config = dataclasses.replace(engine.config, max_num_batched_tokens=tokens)
+    return bigger
+
+
+def test_warm_up_passes_cover_every_size(engine: LLMEngine) -> None:
     suffix = resume_suffix(engine.tokenizer)
     assert suffix  # the Qwen3.6 template drops the reasoning opener of an earlier answer
-    plain = warm_up_passes(engine)
+    bigger = with_budget(engine, 128)
+    plain = warm_up_passes(bigger)
     assert [sum(map(len, p)) for p in plain] == [16, 15, 32, 31, 64, 63, 64, 128, 127, 128]
     assert [len(p) for p in plain[6]] == [32, 32]
-    passes = warm_up_passes(engine, suffix)
+    passes = warm_up_passes(bigger, suffix)
     chats = [p for p in passes if p not in plain]
     assert chats and all(tuple(q[-len(suffix) :]) == suffix for p in chats for q in p)
     assert any(len(p) == 4 for p in chats)  # packed chat prompts: checkpoints inside one pass
@@ -30,16 +59,27 @@ def test_warm_up_covers_every_size_and_leaves_nothing(tiny_model_dir) -> None:
         len(y) > len(x) and y[: len(x)] == x for x, y in zip(a, b, strict=True))]  # fmt: skip
     assert len(follow_ups) == len(chats) // 2
 
+    run = warm_up_passes(engine, suffix)  # what the test below runs: the sizes up to 64
+    assert run == passes[: len(run)] and sum(map(len, passes[len(run)])) == 128
+    assert {len(p) for p in run} == {1, 2, PACKED_CHATS}  # alone, packed short ones, packed chats
+
+
+def test_warm_up_runs_every_pass_and_leaves_nothing(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passes = warm_up_passes(engine, resume_suffix(engine.tokenizer))
     restored, saved = [], []
     cache = engine.prefix_cache
     restore, commit = cache.restore, cache.commit_save
-    cache.restore = lambda entry, seq: (restored.append(entry.kind), restore(entry, seq))[1]
-    cache.commit_save = lambda seq, *a: (saved.append(a[-1]), commit(seq, *a))[1]
+    monkeypatch.setattr(
+        cache, "restore", lambda entry, seq: (restored.append(entry.kind), restore(entry, seq))[1]
+    )
+    monkeypatch.setattr(cache, "commit_save", lambda seq, *a: (saved.append(a[-1]), commit(seq, *a))[1])
     seen: list[str] = []
     warm_up(engine, seen.append)
     assert len(seen) == len(passes) + 1 and "grammar tokenizer ready" in seen[-1]  # then xgrammar
     assert "resume" in saved  # saved inside a pass, at the generation prompt
-    assert restored  # follow-up turns started from a checkpoint
-    assert_no_leaks(engine)
+    assert "resume" in restored  # follow-up turns started from that checkpoint
     assert not cache.entries and cache.stats.report() == type(cache.stats)().report()
+    assert_no_leaks(engine)  # (clears the cache first: its entries are checked above)
     assert cache.resume_suffixes == []  # set by the serving roles, not by warm-up

@@ -24,6 +24,8 @@ Admission: no entry shorter than `min_entry_tokens`; the room for its checkpoint
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pdserve.engine.prefix_entries import PrefixEntryStore
@@ -102,6 +104,16 @@ class PrefixCache(PrefixEntryStore):
         """What this instance claims in Redis (hex): every entry, and a marker under each parent
         that has entries with a tail (`pdserve.prefix_keys.tail_marker`)."""
         return [key.hex() for key in self.entries] + [tail_marker(p).hex() for p in self.index.tails]
+
+    @contextmanager
+    def using_resume_suffixes(self, suffixes: list[tuple[int, ...]]) -> Iterator[None]:
+        """`resume_suffixes` is `suffixes` inside the block, and what it was before once the block
+        ends, by an exception too (warm-up and `pdserve check` borrow a serving cache)."""
+        saved, self.resume_suffixes = self.resume_suffixes, list(suffixes)
+        try:
+            yield
+        finally:
+            self.resume_suffixes = saved
 
     def resume_point(self, prompt: list[int]) -> int:
         """Where the generation prompt a prompt ends with starts (0: it ends with none known)."""

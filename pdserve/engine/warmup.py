@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.resume_points import resume_suffix
@@ -56,14 +57,26 @@ def warm_up_passes(engine: LLMEngine, suffix: tuple[int, ...] | None = None) -> 
         if n >= 2 * SHORT_PROMPT:
             count = min(n // SHORT_PROMPT, c.max_num_seqs)
             passes.append([_prompt(SHORT_PROMPT, j, vocab) for j in range(count)])
-        if chats and n >= 4 * len(suffix):
-            for count in (1, PACKED_CHATS) if n // PACKED_CHATS >= 4 * len(suffix) else (1,):
-                turn = [_prompt(n // count - 1, 100 + j, vocab, suffix) for j in range(count)]
-                passes.append(turn)
-                if n // count + FOLLOW_UP + len(suffix) < c.max_model_len - 4:
-                    passes.append([p + _prompt(FOLLOW_UP + len(suffix), 200 + j, vocab, suffix)
-                                   for j, p in enumerate(turn)])  # fmt: skip
+        if chats:
+            passes += _chat_passes(n, suffix, vocab, c.max_model_len)
         n *= 2
+    return passes
+
+
+def _chat_passes(n: int, suffix: tuple[int, ...], vocab: int, max_model_len: int) -> list[list[list[int]]]:
+    """The chat passes of size `n` (`suffix`: the generation prompt): one chat prompt of n - 1
+    tokens, then `PACKED_CHATS` of n // PACKED_CHATS - 1 packed, each only where n // count is
+    at least 4 times `suffix`; each pass followed by a pass of those prompts' next turns (FOLLOW_UP
+    tokens, then `suffix` again) where they fit in `max_model_len` with their output."""
+    passes: list[list[list[int]]] = []
+    for count in (1, PACKED_CHATS):
+        if n // count < 4 * len(suffix):
+            break  # and shorter still with more packed
+        turn = [_prompt(n // count - 1, 100 + j, vocab, suffix) for j in range(count)]
+        passes.append(turn)
+        if n // count + FOLLOW_UP + len(suffix) < max_model_len - 4:
+            passes.append([p + _prompt(FOLLOW_UP + len(suffix), 200 + j, vocab, suffix)
+                           for j, p in enumerate(turn)])  # fmt: skip
     return passes
 
 
@@ -73,21 +86,20 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
     suffix = resume_suffix(engine.tokenizer) if engine.tokenizer is not None and cache is not None else None
     passes = warm_up_passes(engine, suffix)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    saved = cache.resume_suffixes if cache is not None else []
-    if cache is not None and suffix:
-        cache.resume_suffixes = [suffix]
+    # warm-up's chat prompts end with the generation prompt: their resume points are checkpointed
+    resuming = cache.using_resume_suffixes([suffix]) if cache is not None and suffix else nullcontext()
     start = time.monotonic()
     try:
-        for i, prompts in enumerate(passes, 1):
-            for j, prompt in enumerate(prompts):
-                engine.add_request(prompt, params, f"warm-up-{i}-{j}")
-            while engine.has_unfinished():
-                engine.step()
-            took = time.monotonic() - start
-            progress(f"warm-up {i}/{len(passes)}: {len(prompts)} x {len(prompts[0])} tokens ({took:.0f} s)")
+        with resuming:
+            for i, prompts in enumerate(passes, 1):
+                for j, prompt in enumerate(prompts):
+                    engine.add_request(prompt, params, f"warm-up-{i}-{j}")
+                while engine.has_unfinished():
+                    engine.step()
+                size, took = f"{len(prompts)} x {len(prompts[0])} tokens", time.monotonic() - start
+                progress(f"warm-up {i}/{len(passes)}: {size} ({took:.0f} s)")
     finally:
         if cache is not None:
-            cache.resume_suffixes = saved
             cache.clear()  # warm-up prompts are nobody's prefix, and their hits nobody's figures
             cache.stats = PrefixStats()
     if engine.tokenizer is not None:  # structured outputs' view of the vocabulary (~3 s, once)
