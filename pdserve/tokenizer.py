@@ -168,6 +168,10 @@ class Tokenizer:
         `add_special_tokens`: what tokenizer.json's post-processor adds (a BOS; Qwen's: none)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """`encode` of each text, the texts encoded in parallel (the GIL released meanwhile)."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -34,8 +34,6 @@ Request lifecycle (chat and completions alike):
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import time
 from dataclasses import replace
 
@@ -46,6 +44,7 @@ from pdserve.tokenizer import Tokenizer
 from router.admission import Admission
 from router.api_flags import ApiOptions
 from router.backend import Backend, GenerateRequest
+from router.batch_encode import EncodeBatcher
 from router.chat_output import ChatParsingConfig, OutputParsing, tags_decode_to_nothing
 from router.chat_template import render_chat
 from router.drain import Drain
@@ -59,7 +58,7 @@ from router.responses import ChatFormat, CompletionFormat, ResponseFormat
 from router.tools import resolve_tools
 
 MAX_CHOICES = 256  # prompts x n of one request (n=200 must work): a typo must not queue millions
-ENCODE_INLINE_CHARS = 20_000  # longer texts are tokenized on a worker thread
+ENCODE_INLINE_CHARS = 2_000  # longer texts (~500+ tokens) are tokenized on a worker thread
 
 
 class OpenAIRouter:
@@ -81,6 +80,7 @@ class OpenAIRouter:
         self.hidden_tags = tags_decode_to_nothing(tokenizer)
         self.drain = drain
         self.tokenizer = tokenizer
+        self.encoder = EncodeBatcher(tokenizer)
         self.names = names  # every one is accepted in `model`
         self.model = names[0]  # the one answers carry
         self.api = api
@@ -114,13 +114,13 @@ class OpenAIRouter:
             body.seed = self.seeds.next_seed()
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
-        """Tokenize off the event loop (a long prompt must not stall every other stream), unless
-        the text is too long to fit whatever its tokens: a 400 for `param` at once."""
-        encode = self.tokenizer.encode
-        if add_special_tokens:  # (/tokenize's; a generation prompt is rendered with its own)
-            encode = functools.partial(encode, add_special_tokens=True)
+        """Tokenize off the event loop, batched with the texts that arrive meanwhile
+        (`router.batch_encode`: a burst of long prompts must not wait for each other, nor stall
+        every other stream), unless the text is short or too long to fit whatever its tokens: a
+        400 for `param` at once. (`add_special_tokens`: /tokenize's; a generation prompt is
+        rendered with its own.)"""
         if len(text) < ENCODE_INLINE_CHARS:
-            return encode(text)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         max_model_len = self.backend.max_model_len()
         chars_per_token = await max_chars_per_token_async(self.tokenizer)
         if chars_per_token is not None and len(text) > max_model_len * chars_per_token:
@@ -130,7 +130,7 @@ class OpenAIRouter:
                 "Please reduce the length of the prompt.",
                 param=param,
             )
-        return await asyncio.to_thread(encode, text)
+        return await self.encoder.encode(text, add_special_tokens)
 
     def chat_text(self, body: ChatCompletionRequest) -> tuple[str, list[dict] | None, bool]:
         """(the prompt text through the chat template, the tools it got, whether the output is

@@ -34,10 +34,14 @@ def test_chained_hook_keeps_the_earlier_hooks_answer() -> None:
     assert _chained(None, print) is print
 
 
-def test_describe_names_the_slowest_first() -> None:
-    compiled = [compile_watch.Compiled(f"k{i}", float(i)) for i in range(6)]
-    text = compile_watch.describe(compiled, limit=2)
-    assert text.startswith("k5 (5.00 s); k4 (4.00 s)") and text.endswith("and 4 more")
+def test_describe_groups_by_kernel_costliest_first() -> None:
+    compiled = [compile_watch.Compiled(f"l2norm[num_warps={w}](x: *bf16)", 0.5) for w in (1, 2, 4)]
+    compiled += [compile_watch.Compiled("moe[num_warps=8](a: *bf16)", 1.25)]
+    compiled += [compile_watch.Compiled(f"k{i}(x: i32)", 0.01 * i) for i in range(1, 4)]
+    text = compile_watch.describe(compiled, limit=3)
+    assert text.startswith("l2norm x3 (1.50 s); moe x1 (1.25 s); k3 x1 (0.03 s), and 2 more kernels")
+    assert text.endswith("; slowest: moe[num_warps=8](a: *bf16) (1.25 s)")
+    assert compile_watch.describe([]) == ""
 
 
 class _Engine:

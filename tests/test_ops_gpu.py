@@ -84,6 +84,24 @@ def test_gdn_chunk_prefill_packed_and_chunked(dtype: torch.dtype, hk: int) -> No
     assert rel_err(pool2, want_pool) < FLA_TOL[dtype]
 
 
+@pytest.mark.parametrize("tokens", [1, 31, 4096, 4097])
+def test_l2_normalize_is_flas_l2norm(tokens: int) -> None:
+    """The GDN prefill's own l2 norm (one config for every T) against fla's in-kernel one (which
+    autotunes per bucket of T * H // 65,536; 4,097 tokens x 16 heads is the second bucket), on a
+    strided q slice as the layer hands it: at most one bf16 rounding apart, nearly all equal."""
+    from fla.modules.l2norm import l2norm_fwd
+
+    from pdserve.ops.cuda_norms import l2_normalize
+
+    mixed = torch.randn(tokens, 3 * HK * DK, device="cuda", dtype=torch.bfloat16)
+    q = mixed[:, HK * DK : 2 * HK * DK].view(tokens, HK, DK)
+    got = l2_normalize(q, torch.bfloat16, 1e-6)
+    want = l2norm_fwd(q.contiguous())[0]
+    assert got.is_contiguous() and got.shape == q.shape and got.dtype == torch.bfloat16
+    diff = (got.float() - want.float()).abs()
+    assert diff.max() <= 2**-8 * want.float().abs().max() and (diff == 0).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 5, 32])
 def test_gdn_recurrent_step_in_place(dtype: torch.dtype, batch: int) -> None:

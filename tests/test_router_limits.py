@@ -174,8 +174,18 @@ def test_huge_ints_anywhere_are_400_or_fit_the_wire(
 def spied(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The lengths of the texts the router tokenizes."""
     lengths: list[int] = []
-    encode = tokenizer.encode
-    monkeypatch.setattr(tokenizer, "encode", lambda text: lengths.append(len(text)) or encode(text))
+    encode, encode_batch = tokenizer.encode, tokenizer.encode_batch
+
+    def spy_encode(text: str, **kw: bool) -> list[int]:
+        lengths.append(len(text))
+        return encode(text, **kw)
+
+    def spy_batch(texts: list[str], *args: bool) -> list[list[int]]:
+        lengths.extend(map(len, texts))
+        return encode_batch(texts, *args)
+
+    monkeypatch.setattr(tokenizer, "encode", spy_encode)
+    monkeypatch.setattr(tokenizer, "encode_batch", spy_batch)
     return lengths
 
 

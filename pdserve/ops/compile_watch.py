@@ -87,10 +87,17 @@ def take() -> list[Compiled]:
 
 
 def describe(compiled: list[Compiled], limit: int = 4) -> str:
-    """A log fragment naming the slowest compiles."""
-    slowest = sorted(compiled, key=lambda c: -c.seconds)
-    more = f", and {len(compiled) - limit} more" if len(compiled) > limit else ""
-    return "; ".join(str(c) for c in slowest[:limit]) + more
+    """A log fragment naming every kernel that compiled, the costliest first, as its name, how
+    many specialisations of it and their seconds, then the slowest one's full signature (an
+    autotuner trying its configs shows as one name with many specialisations)."""
+    by_name: dict[str, list[Compiled]] = {}
+    for c in compiled:
+        by_name.setdefault(c.kernel.split("[", 1)[0].split("(", 1)[0], []).append(c)
+    groups = sorted(by_name.items(), key=lambda item: -sum(c.seconds for c in item[1]))
+    parts = [f"{name} x{len(cs)} ({sum(c.seconds for c in cs):.2f} s)" for name, cs in groups[:limit]]
+    more = f", and {len(groups) - limit} more kernels" if len(groups) > limit else ""
+    slowest = max(compiled, key=lambda c: c.seconds) if compiled else None
+    return "; ".join(parts) + more + (f"; slowest: {slowest}" if slowest else "")
 
 
 def _chained(previous: Any, hook: Any) -> Any:

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops.cuda_norms import l2_normalize
+
 _L2NORM_EPS = 1e-6
 _FLA_CHUNK_SIZES = (16, 32, 64)
 
@@ -39,17 +41,19 @@ def gdn_chunk_prefill(
     """q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int32 [N+1];
     recurrent_pool [S, Hv, Dk, Dv]; slot_ids int64 [N] -> o [T, Hv, Dv] in v's dtype.
 
-    fla handles Hv = group x Hk natively (value head h reads key head h // group, as here) and
-    l2-normalises q/k inside. The N initial states are gathered from the pool (one copy of N x 2 MiB
-    at the real shape) and the final states scattered back. fla reads cu_seqlens on the host to
-    index its chunks, caching the result by tensor identity: `_as_long` hands every layer of a
-    pass the same int64 tensor for the same cu_seqlens, so that read happens once a pass (once
-    a piece, for a pass scanned in pieces), not once a layer.
+    fla handles Hv = group x Hk natively (value head h reads key head h // group, as here). q and
+    k are l2-normalised here (`l2_normalize`: fla's in-kernel option's arithmetic, without the
+    autotuner that compiled under traffic). The N initial states are gathered from the pool (one
+    copy of N x 2 MiB at the real shape) and the final states scattered back. fla reads
+    cu_seqlens on the host to index its chunks, caching the result by tensor identity: `_as_long`
+    hands every layer of a pass the same int64 tensor for the same cu_seqlens, so that read
+    happens once a pass (once a piece, for a pass scanned in pieces), not once a layer.
     """
     rule = _fla_chunk_rule()
     dtype = v.dtype
     # fla wants one dtype for q/k/v and a fp32 log-decay; contiguous [1, T, H, D] views.
-    q, k, v = (x.to(dtype).contiguous()[None] for x in (q, k, v))
+    q, k = (l2_normalize(x, dtype, _L2NORM_EPS)[None] for x in (q, k))
+    v = v.contiguous()[None]
     initial = recurrent_pool.index_select(0, slot_ids).float()
     out, final = rule(
         q,
@@ -60,7 +64,7 @@ def gdn_chunk_prefill(
         scale=q.shape[-1] ** -0.5,
         initial_state=initial,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=False,
         cu_seqlens=_as_long(cu_seqlens),
         chunk_size=chunk_size if chunk_size in _FLA_CHUNK_SIZES else 64,
     )

@@ -1,5 +1,6 @@
 """RMSNorms on CUDA, one Triton launch each: the zero-centred norm with the residual add folded in
-(and the MoE's per-expert rows summed on the way), and the GDN's gated norm.
+(and the MoE's per-expert rows summed on the way), the GDN's gated norm, and the l2 norm of its
+prefill's q and k.
 
 Semantics are those of `pdserve.ops.layer_ops`; fp32 inside, one rounding per stored tensor.
 """
@@ -81,6 +82,22 @@ def add_rms_norm(
 
 
 @triton.jit
+def _head_rows(stride_t, stride_h, num_rows, H, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's ROWS (token, head) rows of D: (their offsets in a [T, H, D] tensor of the
+    given strides, their offsets in a contiguous [T * H, D] one, the mask of both)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    t = (rows // H).to(tl.int64)
+    h = (rows % H).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (offs < D)[None, :]
+    return (
+        (t * stride_t + h * stride_h)[:, None] + offs[None, :],
+        (rows.to(tl.int64) * D)[:, None] + offs[None, :],
+        mask,
+    )
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
     stride_xt, stride_xh, stride_zt, stride_zh, num_rows, H, D, eps,
@@ -88,22 +105,19 @@ def _gated_rms_norm_kernel(
 ):  # fmt: skip
     """ROWS (token, head) rows of D: out = round(w * round(x / rms(x))) * silu(z), rounded where
     transformers' gated norm rounds; out is [T * H, D] contiguous."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    t = (rows // H).to(tl.int64)
-    h = (rows % H).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = (rows < num_rows)[:, None] & (offs < D)[None, :]
-    x = tl.load(x_ptr + (t * stride_xt + h * stride_xh)[:, None] + offs[None, :], mask=mask, other=0.0)
+    src, dst, mask = _head_rows(stride_xt, stride_xh, num_rows, H, D, ROWS, BLOCK)
+    x = tl.load(x_ptr + src, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
     normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+    w_offs = tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + w_offs, mask=w_offs < D, other=0.0).to(tl.float32)
     scaled = (w[None, :] * normed).to(x.dtype).to(tl.float32)
-    z = tl.load(z_ptr + (t * stride_zt + h * stride_zh)[:, None] + offs[None, :], mask=mask, other=0.0)
+    z_src = _head_rows(stride_zt, stride_zh, num_rows, H, D, ROWS, BLOCK)[0]
+    z = tl.load(z_ptr + z_src, mask=mask, other=0.0)
     zf = z.to(tl.float32)
     out = scaled * (zf * tl.sigmoid(zf))
-    tl.store(out_ptr + (rows.to(tl.int64) * D)[:, None] + offs[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,5 +133,37 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     _gated_rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
         num_rows, num_heads, dim, eps, ROWS=rows, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _l2_normalize_kernel(
+    x_ptr, out_ptr, stride_xt, stride_xh, num_rows, H, D, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """ROWS (token, head) rows of D: out = x / sqrt(sum(x^2) + eps) in fp32, rounded once; out is
+    [T * H, D] contiguous. fla's l2norm_fwd, without its autotuner."""
+    src, dst, mask = _head_rows(stride_xt, stride_xh, num_rows, H, D, ROWS, BLOCK)
+    x = tl.load(x_ptr + src, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1 / tl.sqrt(tl.sum(xf * xf, axis=1) + eps)
+    tl.store(out_ptr + dst, (xf * rstd[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def l2_normalize(x: torch.Tensor, dtype: torch.dtype, eps: float) -> torch.Tensor:
+    """x [T, H, D] (last dim contiguous, any row/head strides) -> [T, H, D] contiguous in `dtype`,
+    each row over its norm. One launch and one config for every T: fla's own l2norm autotunes 25
+    configs for each new bucket of T * H // 65,536 (7.5 s of a step under traffic on the H200)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_tokens, num_heads, dim = x.shape
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    num_rows = num_tokens * num_heads
+    if num_rows == 0:
+        return out
+    block = triton.next_power_of_2(dim)
+    rows = max(1, min(16, 2048 // block))
+    _l2_normalize_kernel[(triton.cdiv(num_rows, rows),)](
+        x, out, x.stride(0), x.stride(1), num_rows, num_heads, dim, eps, ROWS=rows, BLOCK=block, num_warps=4
     )  # fmt: skip
     return out

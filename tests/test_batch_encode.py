@@ -1,0 +1,77 @@
+"""router.batch_encode: prompts tokenized together in batches on a worker thread give the ids of
+one `Tokenizer.encode` each; texts arriving while a batch encodes join the next batch; a caller
+that leaves, or a tokenizer error, touches no other caller."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pdserve.tokenizer import Tokenizer, load_tokenizer
+from router.batch_encode import EncodeBatcher
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return load_tokenizer(tiny_model_dir)
+
+
+def texts(n: int) -> list[str]:
+    return [
+        f"<|im_start|>user\nconversation {i}: " + "the quick brown fox jumps. " * (50 + 7 * i)
+        for i in range(n)
+    ]
+
+
+def test_a_burst_is_encoded_in_few_batches_with_the_ids_of_one_encode_each(tokenizer: Tokenizer) -> None:
+    batcher = EncodeBatcher(tokenizer)
+    prompts = texts(32)
+
+    async def burst() -> list[list[int]]:
+        return await asyncio.gather(
+            *(batcher.encode(t, add_special_tokens=i % 5 == 0) for i, t in enumerate(prompts))
+        )
+
+    got = asyncio.run(burst())
+    assert got == [tokenizer.encode(t, add_special_tokens=i % 5 == 0) for i, t in enumerate(prompts)]
+    assert batcher.batches <= 2  # the first text alone (nothing was encoding), the other 31 together
+
+
+def test_texts_arriving_during_a_batch_form_the_next(tokenizer: Tokenizer) -> None:
+    batcher = EncodeBatcher(tokenizer)
+    first, later = texts(1)[0], texts(9)[1:]
+
+    async def staggered() -> tuple[list[int], list[list[int]]]:
+        head = asyncio.create_task(batcher.encode(first))
+        await asyncio.sleep(0)  # the first batch is on the worker thread now
+        tail = await asyncio.gather(*(batcher.encode(t) for t in later))
+        return await head, tail
+
+    head, tail = asyncio.run(staggered())
+    assert head == tokenizer.encode(first) and tail == [tokenizer.encode(t) for t in later]
+    assert batcher.batches == 2
+
+
+def test_a_cancelled_caller_and_an_error_touch_no_one_else(tokenizer: Tokenizer) -> None:
+    batcher = EncodeBatcher(tokenizer)
+    prompts = texts(4)
+
+    async def run() -> tuple[list[list[int]], BaseException | None]:
+        leaving = asyncio.create_task(batcher.encode(prompts[0]))
+        staying = [asyncio.create_task(batcher.encode(t)) for t in prompts[1:]]
+        await asyncio.sleep(0)
+        leaving.cancel()
+        got = await asyncio.gather(*staying)
+        bad = None
+        try:
+            await batcher.encode(None)  # type: ignore[arg-type]  # the tokenizer raises TypeError
+        except Exception as err:  # noqa: BLE001
+            bad = err
+        return got, bad
+
+    got, bad = asyncio.run(run())
+    assert got == [tokenizer.encode(t) for t in prompts[1:]]
+    assert isinstance(bad, TypeError)
+    assert asyncio.run(batcher.encode(prompts[0])) == tokenizer.encode(prompts[0])  # still serving
