@@ -170,7 +170,8 @@ class PrefillResult:
     then {"token_id", "logprob", "rank", "top_logprobs": {id: logprob}}.
     `error_code`: "invalid" (the request's own fault: HTTP 400), "queue_full" (503, retry later),
     "aborted", "failed" (the engine failed it). `queue_s`: seconds from the request's arrival on
-    the instance to the first step that scheduled it; `prefill_s`: from then to its first token."""
+    the instance (its burst read by the RPC handler: a step under way then counts) to the first
+    step that scheduled it; `prefill_s`: from then to its first token."""
 
     request_id: str
     token_id: int | None = 0

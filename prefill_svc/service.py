@@ -43,6 +43,7 @@ class PrefillService(ServiceRole):
     # ---- RPC handlers
     async def prefill(self, msg: dict) -> AsyncIterator[dict]:
         """A `PrefillBurst` in; a `PrefillResult` per request out, in the order they finish."""
+        received = time.monotonic()  # its queue time counts from here: the engine thread may be mid-step
         burst = PrefillBurst.from_wire(msg)
         queue: asyncio.Queue[PrefillResult] = asyncio.Queue()
         mine = [r.request_id for r in burst.requests if r.request_id not in self._streams]
@@ -51,7 +52,7 @@ class PrefillService(ServiceRole):
         pending = set(mine)
         try:
             refused = await self.thread.call(
-                self._admit, [r for r in burst.requests if r.request_id in pending]
+                self._admit, [r for r in burst.requests if r.request_id in pending], received
             )
             for r in burst.requests:
                 if r.request_id not in pending:
@@ -84,7 +85,8 @@ class PrefillService(ServiceRole):
         return {"aborted": await self.thread.call(self._abort, Abort.from_wire(msg).request_ids, True)}
 
     # ---- on the engine thread
-    def _admit(self, requests: list[GenerateItem]) -> list[PrefillResult]:
+    def _admit(self, requests: list[GenerateItem], received: float) -> list[PrefillResult]:
+        """Queue each request on the engine (`received`: when its burst reached this instance)."""
         refused = []
         for r in requests:
             rid = r.request_id
@@ -102,6 +104,7 @@ class PrefillService(ServiceRole):
                 refused.append(_refusal(rid, str(e)))
                 continue
             seq.handoff = True
+            seq.arrival_time = received
             self._seqs[rid] = seq
             self.engine.enqueue(seq)
             if r.prefix_source is not None:  # a peer caches more of it: pull that if it pays

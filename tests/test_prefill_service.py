@@ -5,6 +5,7 @@ stream aborts its queued work."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import asdict
 
 import pytest
@@ -111,6 +112,23 @@ def test_expired_lease_is_not_intact_and_cancel_aborts_queued_work(tiny_model_di
             await service.abort({"request_ids": [held["request_id"]]})
             await asyncio.sleep(0.2)
             assert_no_leaks(service.engine)
+        finally:
+            service.host.stop()
+
+    asyncio.run(scenario())
+
+
+def test_queue_time_counts_from_the_burst_reaching_the_instance(tiny_model_dir) -> None:
+    """A burst that arrives while the engine thread is busy (a long step) waits for it before it
+    can be queued on the engine: that wait is queue time, not a gap no figure covers."""
+
+    async def scenario() -> None:
+        service = service_on(tiny_model_dir)
+        service.host.start()
+        try:
+            service.thread.post(time.sleep, 0.5)  # the engine thread mid-"step"
+            got = await collect(service, [request("late", [1, 2, 3], max_tokens=1)])
+            assert got["late"]["queue_s"] >= 0.45 and got["late"]["prefill_s"] < 5
         finally:
             service.host.stop()
 
