@@ -23,7 +23,8 @@ PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv): py-spy records the eng
 # for 12 s from PROFILE_AFTER (34) s into it: AIPerf's start (~20 s) and warm-up phase are over by then
 mkdir -p "$OUT"
 # Where the first tokens waited during a cell, from the router's /metrics before and after it:
-# mean seconds in the router for the burst, queued on the instance, prefilling, and TTFT itself
+# mean seconds templating/tokenizing, in the router for the burst, queued on the instance,
+# prefilling, and TTFT itself
 snap() { curl -s localhost:8000/metrics >"/tmp/metrics-$1.txt"; }
 split() {
     snap after
@@ -36,13 +37,14 @@ def read(path):
     return found
 before, after = read(sys.argv[1]), read(sys.argv[2])
 parts, means = [], []
-for label, name in [("router TTFT", "time_to_first_token_seconds"), ("burst wait", "prefill_burst_wait_seconds"),
+for label, name in [("router TTFT", "time_to_first_token_seconds"), ("preprocess", "request_preprocess_seconds"),
+                    ("burst wait", "prefill_burst_wait_seconds"),
                     ("queued", "request_queue_time_seconds"), ("prefill", "request_prefill_time_seconds")]:
     n = after.get(f"pdserve:{name}_count", 0) - before.get(f"pdserve:{name}_count", 0)
     total = after.get(f"pdserve:{name}_sum", 0) - before.get(f"pdserve:{name}_sum", 0)
     parts.append(f"{label} {1000 * total / n:.0f} ms" if n else f"{label} -")
     means.append(1000 * total / n if n else 0.0)
-rest = means[0] - sum(means[1:])  # templating + tokenizing before the burst, and the wire back
+rest = means[0] - sum(means[1:])  # the wire both ways and the hops between event loops
 print("  first token, means over the cell:", " | ".join(parts), f"| rest {rest:.0f} ms")
 EOF4
 }

@@ -4,6 +4,8 @@ Names follow vLLM's (`vllm:` -> `pdserve:`) so its dashboards carry over. A "req
 one backend generation: a chat request with n=2 counts twice.
 
   pdserve:time_to_first_token_seconds   histogram  arrival at the router -> first token event
+  pdserve:request_preprocess_seconds    histogram  arrival -> handed to the backend (templating,
+                                                   tokenizing, admission)
   pdserve:inter_token_latency_seconds   histogram  gap between token events, per token
   pdserve:e2e_request_latency_seconds   histogram  arrival -> finished event
   pdserve:num_requests_waiting          gauge      handed to the backend, no token yet
@@ -64,6 +66,14 @@ class RouterMetrics:
             self.histogram(
                 "time_to_first_token_seconds",
                 "Arrival at the router to the first token.",
+                TTFT_BUCKETS,
+                model,
+            )
+        )
+        self.preprocess = own(
+            self.histogram(
+                "request_preprocess_seconds",
+                "Arrival at the router to the request handed to its backend (template, tokenize, admit).",
                 TTFT_BUCKETS,
                 model,
             )
@@ -139,6 +149,7 @@ class RequestTracker:
         self.last: float | None = None  # time of the previous token event
         self.gauge: Gauge | None = metrics.waiting
         metrics.waiting.inc()
+        metrics.preprocess.observe(time.monotonic() - arrival)  # the backend is asked now
 
     def on_tokens(self, num_tokens: int, finish_reason: str | None) -> None:
         """A token event arrived with `num_tokens` tokens; `finish_reason` set when it is the last."""

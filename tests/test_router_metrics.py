@@ -42,6 +42,7 @@ def test_the_routers_series_carry_the_model_name() -> None:
     assert text['pdserve:request_success_total{finished_reason="stop",model_name="qwen"}'] == 1
     assert text['pdserve:requests_rejected_total{model_name="qwen",reason="queue_full"}'] == 1
     assert text['pdserve:time_to_first_token_seconds_count{model_name="qwen"}'] == 1
+    assert text['pdserve:request_preprocess_seconds_count{model_name="qwen"}'] == 2
     assert text['pdserve:inter_token_latency_seconds_count{model_name="qwen"}'] == 2
     assert text['pdserve:e2e_request_latency_seconds_bucket{le="+Inf",model_name="qwen"}'] == 1
     router_own = [name for name in text if not name.startswith("pdserve:local_")]
@@ -81,3 +82,13 @@ def test_kv_cache_usage_over_the_deployment() -> None:
     # the autoscalers' per-role series keep their one label (deploy/k8s, tests/test_k8s.py)
     assert text['pdserve:role_kv_cache_usage_perc{role="decode"}'] == pytest.approx((0.75 + 0.0) / 2)
     assert text['pdserve:role_num_requests_running{role="decode"}'] == 3
+
+
+def test_preprocess_time_is_arrival_to_the_backend_asked() -> None:
+    """The router's own share of TTFT: from the HTTP request's arrival to tracking its generation
+    (when the backend is asked), here 0.25 s after an arrival in the past."""
+    metrics = RouterMetrics()
+    metrics.track(prompt_tokens=5, arrival=time.monotonic() - 0.25).on_error()
+    text = series(metrics.render().decode())
+    assert 0.25 <= text["pdserve:request_preprocess_seconds_sum"] < 5
+    assert text['pdserve:request_preprocess_seconds_bucket{le="0.2"}'] == 0

@@ -18,6 +18,7 @@ from router.server import RouterConfig, build_router
 # vLLM's series (its `vllm:` prefix as pdserve's) and the router's refusals: labelled
 REQUEST_SERIES = {
     "pdserve:time_to_first_token_seconds_count",
+    "pdserve:request_preprocess_seconds_count",
     "pdserve:inter_token_latency_seconds_count",
     "pdserve:e2e_request_latency_seconds_count",
     "pdserve:num_requests_waiting",
@@ -29,6 +30,7 @@ REQUEST_SERIES = {
 }
 LABELLED_FAMILIES = {
     "pdserve:time_to_first_token_seconds",
+    "pdserve:request_preprocess_seconds",
     "pdserve:inter_token_latency_seconds",
     "pdserve:e2e_request_latency_seconds",
     "pdserve:num_requests_waiting",
