@@ -38,7 +38,7 @@ from pathlib import Path
 
 from pdserve import layout
 from pdserve.cli_args import add_engine_arguments, engine_argv, engine_config_from_args, resolve_device
-from pdserve.config import ModelConfig
+from pdserve.model_config import ModelConfig
 from pdserve.supervisor import Child, say
 from pdserve.up_stack import Stack, StartupError, health
 from router.api_flags import add_api_arguments, add_model_argument, api_argv, model_from_args

@@ -1,9 +1,11 @@
 """Shared test fixtures: the tiny checkpoint (made once per session), its transformers model,
 offline LLMs over it with the prefix cache off and on (one each per session), and the `gpu`
-marker (skipped without CUDA)."""
+marker (skipped without CUDA). On a CPU machine every test process, and every process a test
+starts, runs torch on one thread (see below)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +19,16 @@ if TYPE_CHECKING:
     from pdserve import LLM
 
 TINY_SEED = 0
+
+# One intra-op thread per process without CUDA (unless OMP_NUM_THREADS says otherwise), in the
+# test workers and, through the environment, in every process a test starts (stacks, `pdserve up`):
+# their ops are on tiny tensors, where a second OpenMP thread gains nothing, and with more torch
+# processes than cores each op's fork/join waits for a descheduled thread. A tiny engine's
+# generation on the 2-core machine: 9.5 s on one thread or two when alone, 52 s on two beside one
+# busy process, 9.5 s on one.
+if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -152,7 +152,7 @@ class Stack:
                     return health
             except (httpx.HTTPError, ValueError):
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise TimeoutError(f"stack not healthy after {timeout} s; router log:\n{self.log('router')[-3000:]}")
 
     def log(self, name: str) -> str:

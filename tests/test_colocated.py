@@ -7,6 +7,7 @@ memory is all back afterwards."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import asdict
 
 import pytest
@@ -22,6 +23,16 @@ from prefill_svc.service import PrefillService
 from tests.helpers import assert_no_leaks, random_prompts
 
 MAX_TOKENS = 16
+PROMPTS = random_prompts((5, 33, 80), seed=3, vocab=1000)
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SIZES = {"cpu": {}, "cuda": {"num_kv_pages": 256}}  # not 90% of the GPU for a tiny model
+
+
+@functools.cache
+def offline_tokens(model_dir: str, device: str) -> list[list[int]]:
+    """The offline engine's greedy tokens of PROMPTS on `device`: once for both ways of decoding."""
+    offline = LLM(model_dir, device=device, dtype="float32", max_model_len=256, **SIZES[device])
+    return [out.token_ids for out in offline.generate(PROMPTS, PARAMS)]
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["decoding-on", "held"])
@@ -30,11 +41,8 @@ def test_colocated_equals_offline(tiny_model_dir, device: str, in_place: bool) -
     """On the GPU: against the offline engine on the same GPU (CUDA graphs, the same kernels).
     `in_place`: the engine decodes on after the first token (what `pdserve engine` does) and
     the decode stream gets what it made meanwhile; else it holds the request until then."""
-    prompts = random_prompts((5, 33, 80), seed=3, vocab=1000)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    sizes = {"num_kv_pages": 256} if device == "cuda" else {}  # not 90% of the GPU for a tiny model
-    offline = LLM(str(tiny_model_dir), device=device, dtype="float32", max_model_len=256, **sizes)
-    expected = [out.token_ids for out in offline.generate(prompts, params)]
+    prompts, params, sizes = PROMPTS, PARAMS, SIZES[device]
+    expected = offline_tokens(str(tiny_model_dir), device)
 
     async def scenario() -> list[list[int]]:
         engine = EngineConfig(

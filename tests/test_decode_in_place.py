@@ -19,11 +19,19 @@ def tiny_engine(model_dir) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256))
 
 
-@pytest.fixture
-def engine(tiny_model_dir) -> LLMEngine:
+@pytest.fixture(scope="module")
+def in_place_engine(tiny_model_dir) -> LLMEngine:
     engine = tiny_engine(tiny_model_dir)
     engine.decode_in_place = True
     return engine
+
+
+@pytest.fixture
+def engine(in_place_engine: LLMEngine) -> LLMEngine:
+    """The module's engine decoding in place, as a fresh one: idle, every page and slot free and
+    the prefix cache empty (each test leaves it so, and asserts it)."""
+    assert_no_leaks(in_place_engine)
+    return in_place_engine
 
 
 def hand_over(engine: LLMEngine, prompt: list[int], rid: str, params: SamplingParams = PARAMS) -> str:

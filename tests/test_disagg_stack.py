@@ -31,9 +31,11 @@ def stack(tiny_model_dir, tmp_path_factory):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir) -> LLM:
-    return LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+@pytest.fixture
+def offline(cached_llm: LLM) -> LLM:
+    """The offline engine (CPU, fp32, 512 tokens, the prefix cache on): the session's, its cache
+    empty (tests/conftest.py)."""
+    return cached_llm
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +246,7 @@ def test_killed_decode_fails_its_streams_fast(stack: Stack, offline: LLM) -> Non
             stream = await client.completions.create(
                 model="tiny",
                 prompt=f"story {i}",
-                max_tokens=400,
+                max_tokens=240,  # seconds of decoding: still streaming at the kill; the others end
                 temperature=0,
                 stream=True,
                 extra_body={"ignore_eos": True},

@@ -147,7 +147,7 @@ def test_unsupported_model_type_and_missing_field(tiny_model_dir, tmp_path) -> N
         LLM(str(ckpt), device="cpu")
 
 
-def test_multimodal_wrapper_checkpoint_loads(tiny_model_dir, tmp_path) -> None:
+def test_multimodal_wrapper_checkpoint_loads(tiny_model_dir, tmp_path, llm: LLM) -> None:
     """A `qwen3_5_moe` config with `text_config` and `model.language_model.` names + mtp/visual extras."""
     ckpt = copy_checkpoint(tiny_model_dir, tmp_path / "ckpt")
     text = json.loads((ckpt / "config.json").read_text())
@@ -160,7 +160,7 @@ def test_multimodal_wrapper_checkpoint_loads(tiny_model_dir, tmp_path) -> None:
     prompt = random_prompts((12,), seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     wrapped = LLM(str(ckpt), device="cpu", dtype="float32", max_model_len=64).generate(prompt, params)
-    plain = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=64).generate(prompt, params)
+    plain = llm.generate(prompt, params)  # the same weights from the plain checkpoint
     assert wrapped[0].token_ids == plain[0].token_ids
 
 

@@ -41,9 +41,11 @@ def stack(tiny_model_dir, tmp_path_factory):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir) -> LLM:
-    return LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+@pytest.fixture
+def offline(cached_llm: LLM) -> LLM:
+    """The offline engine (CPU, fp32, 512 tokens, the prefix cache on): the session's, its cache
+    empty (tests/conftest.py)."""
+    return cached_llm
 
 
 def body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
@@ -181,7 +183,8 @@ def test_decode_killed_mid_stream(stack: Stack) -> None:
     """Streams on the killed decode get an error event within 1 s; the others finish."""
 
     async def stream(client: httpx.AsyncClient, i: int, state: dict) -> tuple[str, float]:
-        async with client.stream("POST", "/v1/completions", json=body(PROMPTS[i], 460)) as response:
+        # 300 tokens: seconds of decoding, still streaming once all 8 are (the kill); the others end
+        async with client.stream("POST", "/v1/completions", json=body(PROMPTS[i], 300)) as response:
             assert response.status_code == 200, await response.aread()
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

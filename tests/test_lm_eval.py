@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.sampling.params import SamplingParams
 from tests.stack import Stack, stack_fixture
@@ -54,9 +53,11 @@ def task_files(folder: Path) -> Path:
 stack = stack_fixture("lm-eval", num_prefill=1, num_decode=1)
 
 
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(str(tiny_model_dir), dtype="float32", max_model_len=512))
+@pytest.fixture
+def offline(cached_llm) -> LLMEngine:
+    """The offline engine (CPU, fp32, 512 tokens, the prefix cache on): the session's, its cache
+    empty (tests/conftest.py)."""
+    return cached_llm.engine
 
 
 def run_offline(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:

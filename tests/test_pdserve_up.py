@@ -1,7 +1,8 @@
-"""`pdserve up` with no model: makes the embedded tiny model, starts Redis, router, prefill and
-decode, answers a chat request through the official client (with the API key it was given,
-refusing a wrong one), and stops cleanly on SIGTERM; `--colocate` runs one engine process
-holding both roles; a child that fails at start fails the start with its last output."""
+"""`pdserve up` with no model: makes the embedded tiny model (byte for byte the tests' own), starts
+Redis, router, prefill and decode, answers a chat request through the official client (with the
+API key it was given, refusing a wrong one), and stops cleanly on SIGTERM; `--colocate` runs one
+engine process holding both roles; a child that fails at start fails the start with its last
+output."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import openai
 import pytest
 
 from pdserve.layout import LayoutError, ServiceProcess, plan_services, role_counts
+from tests.test_tokenizer_tiny import TINY_FILES
 from tests.up_process import UpProcess
 
 
@@ -23,7 +25,7 @@ def chat_once(url: str, api_key: str = "none") -> openai.types.chat.ChatCompleti
     )
 
 
-def test_pdserve_up_answers_a_chat_request(tmp_path) -> None:
+def test_pdserve_up_answers_a_chat_request(tmp_path, tiny_model_dir) -> None:
     up = UpProcess(tmp_path, env={"PDSERVE_API_KEY": "k3y"}).start()
     try:
         with pytest.raises(openai.AuthenticationError):
@@ -37,6 +39,11 @@ def test_pdserve_up_answers_a_chat_request(tmp_path) -> None:
         assert f"pdserve:request_success_total{{{finished}}} 1.0" in served, served
     finally:
         assert up.stop() == 0, up.output()
+    # made in that process, the tokenizer converted there: the session's seed-0 checkpoint, byte
+    # for byte (tests/test_tokenizer_tiny.py makes one in the test process)
+    embedded = tmp_path / "cache" / "tiny-qwen36"
+    for name in TINY_FILES:
+        assert (embedded / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
 
 
 def test_colocated_stack_runs_one_engine_process_holding_both_roles(tmp_path, tiny_model_dir) -> None:

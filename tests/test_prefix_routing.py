@@ -73,7 +73,7 @@ async def warm_cache_of(stack: Stack, instance_id: str, prompt: list[int]) -> di
         await registry.close()
 
 
-def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, tiny_model_dir) -> None:
+def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, cached_llm: LLM) -> None:
     prompt = random_prompts((150,), seed=21)[0]
     asyncio.run(warm_cache_of(stack, "prefill-1", prompt))  # least-load ties would pick prefill-0
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
@@ -85,7 +85,7 @@ def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, tiny_mode
     metrics = httpx.get(f"{stack.url}/metrics").text
     assert "pdserve:prefix_cache_hit_tokens_total 150.0" in metrics
     assert "pdserve:prefix_routed_requests_total 1.0" in metrics
-    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+    offline = cached_llm  # CPU, fp32, 512 tokens, the prefix cache on, empty (tests/conftest.py)
     expected = offline.generate(turn, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert reply.choices[0].text == expected.text
     # a prompt nobody caches is routed by load alone and computes everything
@@ -96,13 +96,13 @@ def test_request_goes_to_the_instance_caching_its_prefix(stack: Stack, tiny_mode
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_prefix_cache_hit_equals_offline(stack: Stack, tiny_model_dir) -> None:
+def test_prefix_cache_hit_equals_offline(stack: Stack, cached_llm: LLM) -> None:
     """The prefill instance runs with the prefix cache: a long prompt sent again finds its own
     entry, which it cannot use whole (its last token is computed), and checkpoints its last
     token but one; the third time reuses that (reported as cached tokens); every answer is the
     offline one."""
     prompt = " ".join(f"fact {i} is that the sky is blue;" for i in range(25))
-    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+    offline = cached_llm  # CPU, fp32, 512 tokens, the prefix cache on, empty (tests/conftest.py)
     expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
     for attempt in range(3):
@@ -115,7 +115,7 @@ def test_prefix_cache_hit_equals_offline(stack: Stack, tiny_model_dir) -> None:
         assert cached == want, f"attempt {attempt}: {cached} cached tokens"
 
 
-def test_a_prefill_instance_pulls_from_a_busy_holder(stack: Stack, tiny_model_dir) -> None:
+def test_a_prefill_instance_pulls_from_a_busy_holder(stack: Stack, cached_llm: LLM) -> None:
     """prefill-0 is sent a turn naming prefill-1's entry of its prefix (what the router does when
     prefill-1 is too busy to take it): it pulls the pages and checkpoint through NIXL, and the
     first token is the offline one."""
@@ -124,7 +124,7 @@ def test_a_prefill_instance_pulls_from_a_busy_holder(stack: Stack, tiny_model_di
     turn = prompt + random_prompts((20,), seed=25)[0]
     result = asyncio.run(prefill_directly(stack, "prefill-0", turn, source))
     assert result["num_cached_tokens"] == 150, "pulled from prefill-1, not computed"
-    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=512)
+    offline = cached_llm  # CPU, fp32, 512 tokens, the prefix cache on, empty (tests/conftest.py)
     expected = offline.generate(turn, SamplingParams(temperature=0, max_tokens=1))[0].token_ids
     assert [result["token_id"]] == expected
     deadline = time.monotonic() + 5  # the instances' counters reach the router with their load

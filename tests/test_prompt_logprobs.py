@@ -92,9 +92,8 @@ def test_max_tokens_zero_scores_the_prompt_only(engine, hf_model) -> None:
     assert_matches(out.prompt_logprobs, prompt, reference(hf_model, prompt), 1)
 
 
-def test_prefix_cache_hits_are_skipped_for_prompt_logprobs(tiny_model_dir, hf_model) -> None:
-    config = EngineConfig(str(tiny_model_dir), dtype="float32", max_model_len=512, enable_prefix_caching=True)
-    cached = LLMEngine(config)
+def test_prefix_cache_hits_are_skipped_for_prompt_logprobs(cached_llm, hf_model) -> None:
+    cached = cached_llm.engine  # CPU, fp32, 512 tokens, the prefix cache on and empty (tests/conftest.py)
     prompt = random_prompts((200,), seed=6)[0]
     run(cached, [prompt], [SamplingParams(temperature=0, max_tokens=1)])  # fills the cache
     assert cached.prefix_cache.entries, "the first request must leave a cache entry"

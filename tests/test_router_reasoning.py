@@ -6,9 +6,9 @@ tests/scripted_chat_router.py; `ask` and the stream joined: tests/scripted_chat.
 
 from __future__ import annotations
 
-import json
+import copy
 
-import tokenizers
+from tokenizers import AddedToken
 
 from pdserve.tokenizer import Tokenizer
 from tests.chat_templates import QWEN_STYLE_TEMPLATE
@@ -64,12 +64,17 @@ def test_parsers_see_special_tags(scripted_routers: ScriptedRouters, qwen_style_
     a tokenizer that makes them special has parsing requests decoded with skip_special_tokens=false."""
     _, backend = ask(scripted_routers, "qwen3_coder", "x")
     assert backend.requests[-1].params.skip_special_tokens is True
-    hiding = json.loads(qwen_style_tokenizer.backend.to_str())
-    for added in hiding["added_tokens"]:
-        added["special"] = True
-    backend_json = tokenizers.Tokenizer.from_str(json.dumps(hiding))
+    hiding = copy.deepcopy(qwen_style_tokenizer.backend)  # the shared one stays as it is
+    hiding.add_special_tokens(  # the same added tokens, each special now
+        [
+            AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                       normalized=t.normalized, special=True)
+            for t in hiding.get_added_tokens_decoder().values()
+        ]
+    )  # fmt: skip
+    assert all(t.special for t in hiding.get_added_tokens_decoder().values())
     special = Tokenizer(
-        backend_json,
+        hiding,
         qwen_style_tokenizer.eos_token_ids,
         QWEN_STYLE_TEMPLATE,
         qwen_style_tokenizer.special_tokens,

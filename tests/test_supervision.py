@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -72,7 +73,9 @@ def serves_within(url: str, seconds: float, log: UpProcess) -> str:
 
 
 def test_a_killed_decode_child_and_redis_are_restarted_and_serve_again(tmp_path, tiny_model_dir) -> None:
+    """Then a clean stop, which removes the internal secret's file."""
     up = UpProcess(tmp_path, model=tiny_model_dir).start()
+    secret_file = environ(up.children()["router"])["PDSERVE_INTERNAL_SECRET_FILE"]
     try:
         assert chat(up.url) in ("stop", "length")
         old = up.children()["decode-0"]
@@ -91,10 +94,61 @@ def test_a_killed_decode_child_and_redis_are_restarted_and_serve_again(tmp_path,
         assert up.proc.poll() is None, "the launcher stopped the stack"
     finally:
         assert up.stop() == 0, up.output()
+    assert not os.path.exists(secret_file)
 
 
-def test_sigkill_of_pdserve_up_leaves_no_child_alive(tmp_path, tiny_model_dir) -> None:
-    up = UpProcess(tmp_path, model=tiny_model_dir).start()
+FILE_KEY, ENV_KEY = "s3cret-file-key", "s3cret-env-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_up(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[UpProcess]:
+    """`pdserve up` with an API key file and a key in its environment, started once for the two
+    tests below: the first looks at its processes, the second SIGKILLs it."""
+    tmp_path = tmp_path_factory.mktemp("keyed-up")
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(f"{FILE_KEY} 4\n")
+    up = UpProcess(
+        tmp_path, "--api-key-file", str(key_file), model=tiny_model_dir, env={"PDSERVE_API_KEY": ENV_KEY}
+    )
+    up.start()
+    try:
+        yield up
+    finally:
+        if up.proc.poll() is None:  # the SIGKILL test did not run, or failed before its kill
+            up.stop()
+
+
+def test_no_secret_or_password_is_on_any_command_line(keyed_up: UpProcess) -> None:
+    """(The clean stop that removes the secret's file: the killed-decode test above.)"""
+    up = keyed_up
+    children = up.children()
+    assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
+    router_env = environ(children["router"])
+    secret_file = router_env["PDSERVE_INTERNAL_SECRET_FILE"]
+    assert os.stat(secret_file).st_mode & 0o777 == 0o600
+    secrets = {
+        open(secret_file).read().strip(),
+        router_env["PDSERVE_REDIS_PASSWORD"],
+        FILE_KEY,
+        ENV_KEY,
+    }
+    for name, pid in children.items():
+        line = cmdline(pid)
+        assert not any(s in line for s in secrets), f"{name} has a secret on its command line: {line}"
+        if name != "redis":  # redis-server rewrites its environment area (its process title)
+            env = environ(pid)
+            assert env["PDSERVE_INTERNAL_SECRET_FILE"] == secret_file, name
+            assert env["PDSERVE_REDIS_PASSWORD"] == router_env["PDSERVE_REDIS_PASSWORD"], name
+            assert ("PDSERVE_API_KEY" in env) == (name == "router"), name
+    assert not any(s in " ".join(up.argv) for s in secrets)
+    for key, status in ((FILE_KEY, 200), (ENV_KEY, 200), ("wrong", 401)):
+        got = httpx.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert got.status_code == status, key
+
+
+def test_sigkill_of_pdserve_up_leaves_no_child_alive(keyed_up: UpProcess) -> None:
+    """Ends the module's `keyed_up` (after the test above)."""
+    up = keyed_up
     children = up.children()
     assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
     below = descendants(up.proc.pid)
@@ -104,43 +158,6 @@ def test_sigkill_of_pdserve_up_leaves_no_child_alive(tmp_path, tiny_model_dir) -
     for pid in alive:  # do not leave them behind for the next test
         os.kill(pid, signal.SIGKILL)
     assert not alive, {pid: cmdline(pid) for pid in alive}
-
-
-def test_no_secret_or_password_is_on_any_command_line(tmp_path, tiny_model_dir) -> None:
-    key_file = tmp_path / "api-keys"
-    key_file.write_text("s3cret-file-key 4\n")
-    env_key = "s3cret-env-key"
-    up = UpProcess(
-        tmp_path, "--api-key-file", str(key_file), model=tiny_model_dir, env={"PDSERVE_API_KEY": env_key}
-    )
-    up.start()
-    try:
-        children = up.children()
-        assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
-        router_env = environ(children["router"])
-        secret_file = router_env["PDSERVE_INTERNAL_SECRET_FILE"]
-        assert os.stat(secret_file).st_mode & 0o777 == 0o600
-        secrets = {
-            open(secret_file).read().strip(),
-            router_env["PDSERVE_REDIS_PASSWORD"],
-            "s3cret-file-key",
-            env_key,
-        }
-        for name, pid in children.items():
-            line = cmdline(pid)
-            assert not any(s in line for s in secrets), f"{name} has a secret on its command line: {line}"
-            if name != "redis":  # redis-server rewrites its environment area (its process title)
-                env = environ(pid)
-                assert env["PDSERVE_INTERNAL_SECRET_FILE"] == secret_file, name
-                assert env["PDSERVE_REDIS_PASSWORD"] == router_env["PDSERVE_REDIS_PASSWORD"], name
-                assert ("PDSERVE_API_KEY" in env) == (name == "router"), name
-        assert not any(s in " ".join(up.argv) for s in secrets)
-        for key, status in (("s3cret-file-key", 200), (env_key, 200), ("wrong", 401)):
-            got = httpx.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
-            assert got.status_code == status, key
-    finally:
-        assert up.stop() == 0, up.output()
-    assert not os.path.exists(secret_file)
 
 
 def test_ctrl_c_drains_the_router_first_and_stops_redis_last(tmp_path, tiny_model_dir) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,8 @@ from pdserve.tokenizer import (
     qwen36_special_tokens,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+# what a tiny checkpoint is: made again with its seed, each is byte for byte the same
+TINY_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
 TEXTS = [
     "Hello, world! It's a test of the tokenizer's ASCII path.",
     "你好，世界。今天天气很好，我们去公园散步吧。",
@@ -147,17 +146,15 @@ def test_template_missing_or_failing_is_a_value_error(tok: Tokenizer, tmp_path: 
         load_tokenizer(tmp_path)
 
 
-def test_make_tiny_is_deterministic(tiny_model_dir: Path, tmp_path: Path) -> None:
-    again = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "make-tiny", str(tmp_path / "cli"), "--seed", "0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert again.returncode == 0, again.stderr
-    assert "done" in again.stderr
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+def test_make_tiny_is_deterministic(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    """`pdserve make-tiny DIR --seed 0` writes the session's checkpoint again, byte for byte; another
+    seed, other weights. Run in this process (`pdserve.cli.main`): a fresh process making it, the
+    tokenizer converted anew, is `pdserve up`'s embedded model (tests/test_pdserve_up.py)."""
+    from pdserve.cli import main
+
+    assert main(["make-tiny", str(tmp_path / "cli"), "--seed", "0"]) == 0
+    assert "done" in capsys.readouterr().err
+    for name in TINY_FILES:
         assert (tmp_path / "cli" / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
     other = make_tiny(tmp_path / "seed1", seed=1)
     assert (other / "model.safetensors").read_bytes() != (tiny_model_dir / "model.safetensors").read_bytes()
