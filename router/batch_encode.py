@@ -31,6 +31,7 @@ class EncodeBatcher:
         self.tokenizer = tokenizer
         self._queued: list[_Text] = []
         self._busy = False
+        self._drainer: asyncio.Task | None = None  # held: the loop keeps only a weak reference
         self.batches = 0  # batches encoded (for tests and logs)
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -38,7 +39,7 @@ class EncodeBatcher:
         self._queued.append(item)
         if not self._busy:
             self._busy = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
         return await item.ids
 
     async def _drain(self) -> None:
