@@ -20,6 +20,20 @@ T = TypeVar("T")
 Item = tuple[int, TokenEvent | BackendError]
 
 
+_CANCELLING: set[asyncio.Future] = set()  # cancelled tasks, held until their cancellation has run
+
+
+def cancel(task: asyncio.Future) -> None:
+    """Cancel `task` and keep it referenced until it is done: the event loop holds tasks only
+    weakly, and a cancelled task nobody holds can be collected before its cancellation runs
+    ("Task was destroyed but it is pending!", its finally blocks skipped)."""
+    if task.done():
+        return
+    task.cancel()
+    _CANCELLING.add(task)
+    task.add_done_callback(_CANCELLING.discard)
+
+
 class ClientGone(Exception):
     """The client closed the connection before the answer was ready."""
 
@@ -64,12 +78,12 @@ class Fanout:
         """End the request with `error` (whoever reads the queue sees it next), its work cancelled."""
         self.queue.put_nowait((0, error))
         for task in self.tasks:
-            task.cancel()
+            cancel(task)
 
     def close(self) -> None:
         self.closed = True
         for task in self.tasks:
-            task.cancel()
+            cancel(task)
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -84,11 +98,11 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        work.cancel()
+        cancel(work)
         raise
     finally:
-        gone.cancel()
+        cancel(gone)
     if not work.done():  # the client left first
-        work.cancel()  # takes effect at the task's next step: do not read its state now
+        cancel(work)  # takes effect at the task's next step: do not read its state now
         raise ClientGone
     return work.result()
