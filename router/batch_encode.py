@@ -30,36 +30,31 @@ class EncodeBatcher:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._queued: list[_Text] = []
-        self._busy = False
         self._drainer: asyncio.Task | None = None  # held: the loop keeps only a weak reference
         self.batches = 0  # batches encoded (for tests and logs)
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         item = _Text(text, add_special_tokens)
         self._queued.append(item)
-        if not self._busy:
-            self._busy = True
+        if self._drainer is None or self._drainer.done():  # no batch encoding now
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
         return await item.ids
 
     async def _drain(self) -> None:
-        try:
-            while self._queued:
-                batch, self._queued = self._queued, []
-                self.batches += 1
-                try:
-                    results = await asyncio.to_thread(self._encode_all, batch)
-                except Exception as err:  # noqa: BLE001 - each caller gets the tokenizer's error
-                    results = [err] * len(batch)
-                for item, ids in zip(batch, results, strict=True):
-                    if item.ids.done():  # the caller went away (a cancelled request)
-                        continue
-                    if isinstance(ids, Exception):
-                        item.ids.set_exception(ids)
-                    else:
-                        item.ids.set_result(ids)
-        finally:
-            self._busy = False
+        while self._queued:
+            batch, self._queued = self._queued, []
+            self.batches += 1
+            try:
+                results = await asyncio.to_thread(self._encode_all, batch)
+            except Exception as err:  # noqa: BLE001 - each caller gets the tokenizer's error
+                results = [err] * len(batch)
+            for item, ids in zip(batch, results, strict=True):
+                if item.ids.done():  # the caller went away (a cancelled request)
+                    continue
+                if isinstance(ids, Exception):
+                    item.ids.set_exception(ids)
+                else:
+                    item.ids.set_result(ids)
 
     def _encode_all(self, batch: list[_Text]) -> list[list[int]]:
         """The ids of each text, in order: one encode_batch for each setting of add_special_tokens."""

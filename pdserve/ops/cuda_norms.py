@@ -97,6 +97,13 @@ def _head_rows(stride_t, stride_h, num_rows, H, D, ROWS: tl.constexpr, BLOCK: tl
     )
 
 
+def _head_rows_launch(num_rows: int, dim: int) -> tuple[tuple[int], dict[str, int]]:
+    """The grid and launch settings of a `_head_rows` kernel: up to 16 rows a program, 4 warps."""
+    block = triton.next_power_of_2(dim)
+    rows = max(1, min(16, 2048 // block))
+    return (triton.cdiv(num_rows, rows),), dict(ROWS=rows, BLOCK=block, num_warps=4)
+
+
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
@@ -128,11 +135,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return out
-    block = triton.next_power_of_2(dim)
-    rows = max(1, min(16, 2048 // block))
-    _gated_rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+    grid, meta = _head_rows_launch(num_rows, dim)
+    _gated_rms_norm_kernel[grid](
         x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
-        num_rows, num_heads, dim, eps, ROWS=rows, BLOCK=block, num_warps=4,
+        num_rows, num_heads, dim, eps, **meta,
     )  # fmt: skip
     return out
 
@@ -161,9 +167,6 @@ def l2_normalize(x: torch.Tensor, dtype: torch.dtype, eps: float) -> torch.Tenso
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return out
-    block = triton.next_power_of_2(dim)
-    rows = max(1, min(16, 2048 // block))
-    _l2_normalize_kernel[(triton.cdiv(num_rows, rows),)](
-        x, out, x.stride(0), x.stride(1), num_rows, num_heads, dim, eps, ROWS=rows, BLOCK=block, num_warps=4
-    )  # fmt: skip
+    grid, meta = _head_rows_launch(num_rows, dim)
+    _l2_normalize_kernel[grid](x, out, x.stride(0), x.stride(1), num_rows, num_heads, dim, eps, **meta)
     return out
