@@ -22,6 +22,7 @@ MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
 PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv): py-spy records the engine and the router
 # for 12 s from PROFILE_AFTER (34) s into it: AIPerf's start (~20 s) and warm-up phase are over by then
 mkdir -p "$OUT"
+source "$(dirname "$0")/h200-triton-cache.sh" && tcache_restore
 # Where the first tokens waited during a cell, from the router's /metrics before and after it:
 # mean seconds templating/tokenizing, in the router for the burst, queued on the instance,
 # prefilling, and TTFT itself
@@ -82,6 +83,7 @@ for _ in $(seq 600); do
     sleep 1
 done
 log "up: $(grep -m1 'ready in' "$OUT/up.log")"
+tcache_save "$OUT" | tee -a "$OUT/bench.log"  # warm-up compiled every kernel the cells use
 grep -m3 -i "max_model_len" "$OUT/up.log" | tee -a "$OUT/bench.log"
 curl -s localhost:8000/v1/models | tee -a "$OUT/bench.log"; echo | tee -a "$OUT/bench.log"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/bench.log"
@@ -155,4 +157,5 @@ fi
 kill -TERM $UP; wait $UP
 tail -5 "$OUT/up.log"
 # one archive for the logs and exports (the device tool brings back only a few files)
-(cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude bench.log * && find . -type f ! -name results.tgz ! -name bench.log -delete)
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude bench.log --exclude "triton-cache.*" * &&
+    find . -type f ! -name results.tgz ! -name bench.log ! -name "triton-cache.*" -delete)

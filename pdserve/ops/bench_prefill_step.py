@@ -1,0 +1,160 @@
+"""Profile one eager prefill pass at the full Qwen3.6-35B-A3B shape (random bf16 weights):
+`python -m pdserve.ops.bench_prefill_step 1x1024 4x1024 8x1024 1x8192`.
+
+Each argument `PxL` is a pass of `P` fresh prompts of `L` tokens. After two untimed runs (Triton
+compiles and autotunes there), prints the wall time of the pass (to its logits on the host), the
+GPU kernel time inside it, the host-device syncs it makes, and torch.profiler's kernels by time:
+the pass's wall minus its kernel time is what the GPU waited for the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import pstats
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from pdserve.bench import QWEN36_35B_A3B
+from pdserve.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.model.forward_batch import ForwardBatch
+
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def prefill_batch(runner: ModelRunner, prompts: int, length: int) -> tuple[ForwardBatch, list, list]:
+    """A pass of fresh prompts, and the KV pages and state slots it holds."""
+    kv, states = runner.kv_pool, runner.state_pool
+    gen = torch.Generator().manual_seed(prompts * length)
+    ids = torch.randint(0, 200_000, (prompts, length), generator=gen).tolist()
+    tables = [kv.allocate(kv.pages_for(length)) for _ in range(prompts)]
+    slots = [states.allocate() for _ in range(prompts)]
+    batch = ForwardBatch.build(ids, [0] * prompts, tables, slots, runner.config.page_size, runner.device)
+    return batch, tables, slots
+
+
+def sync_sites(runner: ModelRunner, batch: ForwardBatch) -> collections.Counter:
+    """Where a pass makes the host wait for the device: torch's sync debug mode warns at every
+    synchronizing call; the innermost frames outside torch name the caller."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(*args: object, **kwargs: object) -> None:
+        ours = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        names = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in ours[-3:]]
+        sites[" <- ".join(reversed(names))] += 1
+
+    shown, torch_mode = warnings.showwarning, torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            run_pass(runner, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(torch_mode)
+        warnings.showwarning = shown
+    return sites
+
+
+def host_profile(runner: ModelRunner, batch: ForwardBatch, top: int = 22) -> str:
+    """cProfile of one pass: where the host spends its time launching it (the GPU idles whenever
+    the host is slower than the kernels it launches)."""
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    run_pass(runner, batch)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def run_pass(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
+    hidden = runner.model(batch)
+    return runner.model.compute_logits(hidden[batch.logits_indices]).float().cpu()
+
+
+def profile(runner: ModelRunner, prompts: int, length: int, show_host: bool = False) -> dict:
+    batch, tables, slots = prefill_batch(runner, prompts, length)
+    for _ in range(2):
+        run_pass(runner, batch)
+    torch.cuda.synchronize()
+    runs = 3
+    start = time.perf_counter()
+    for _ in range(runs):
+        run_pass(runner, batch)
+    wall_ms = (time.perf_counter() - start) / runs * 1e3
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        run_pass(runner, batch)
+    kernels, syncs, launches = [], {}, 0
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+        if e.key.startswith(SYNC_OPS):
+            syncs[e.key] = (e.count, e.cpu_time_total / 1e3)
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"):
+            launches += e.count
+        # device events only: a CPU op's self device time would count its kernels twice
+        if device_us > 0 and e.device_type != torch.autograd.DeviceType.CPU:
+            kernels.append((e.key, device_us / 1e3, e.count))
+    kernels.sort(key=lambda r: -r[1])
+    kernel_ms = sum(k[1] for k in kernels)
+    tokens = prompts * length
+    rate = tokens / wall_ms * 1e3
+    print(
+        f"\n{prompts} x {length} ({tokens} tokens): wall {wall_ms:.1f} ms ({rate:,.0f} tok/s), "
+        f"GPU kernels {kernel_ms:.1f} ms ({kernel_ms / wall_ms:.0%} busy), {launches} launches"
+    )
+    for key, (count, ms) in sorted(syncs.items()):
+        print(f"  host sync {key}: {count}x, {ms:.1f} ms")
+    for site, count in sync_sites(runner, batch).most_common(8):
+        print(f"  {count:4d}x sync at {site}")
+    if show_host:
+        print(host_profile(runner, batch))
+    for name, ms, count in kernels[:18]:
+        print(f"  {ms:8.2f} ms {count:5d}x  {name[:96]}")
+    for table, slot in zip(tables, slots, strict=True):
+        runner.kv_pool.free(table)
+        runner.state_pool.free(slot)
+    top = [(n[:120], t, c) for n, t, c in kernels[:30]]
+    return {"prompts": prompts, "length": length, "wall_ms": wall_ms, "kernel_ms": kernel_ms,
+            "launches": launches, "syncs": syncs, "top": top}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("passes", nargs="+", help="PxL: P prompts of L tokens in one pass")
+    parser.add_argument("--host", action="store_true", help="also cProfile the host side of each pass")
+    parser.add_argument("--out", type=Path, default=None, help="append the results as JSON lines here")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in p.split("x")) for p in args.passes]
+    longest, most = max(length for _, length in shapes), max(p for p, _ in shapes)
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))
+        start = time.perf_counter()
+        config = EngineConfig(model=tmp, device="cuda", load_format="dummy", max_num_seqs=most,
+                              max_model_len=longest + 64, enforce_eager=True, num_state_slots=most + 1,
+                              num_kv_pages=most * (longest // 16 + 8),
+                              max_num_batched_tokens=max(p * n for p, n in shapes))  # fmt: skip
+        runner = ModelRunner(config)
+        print(f"model and pools ready in {time.perf_counter() - start:.0f} s", flush=True)
+        results = []
+        for prompts, length in shapes:
+            results.append(profile(runner, prompts, length, args.host))
+    if args.out is not None:
+        with args.out.open("a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
