@@ -110,20 +110,18 @@ def test_route_topk(dtype: torch.dtype, shared: bool) -> None:
     assert torch.equal(ids[:, K:].cpu(), want_ids[:, K:])  # the shared expert's id, when present
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 32, 300, 900])
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("tokens", [1, 5, 32, 300, 900, 911, 8192])
+@pytest.mark.parametrize("block_m", [16, 64, 128])
 def test_align_pairs_equals_sorted_layout(tokens: int, block_m: int) -> None:
-    """The counting alignment lays out exactly the rows the device-sort path does."""
+    """The counting alignment lays out exactly the rows the device-sort path does: in one program
+    (up to 8,192 pairs) and over chunks (911 x 9 pairs: three chunks, the last of 7 pairs;
+    8,192 tokens: a prefill pass, 18 chunks)."""
     from pdserve.ops import cuda_moe, cuda_route
 
     ids = torch.randn(tokens, E).topk(K, dim=-1).indices
     ids = torch.cat([ids, torch.full((tokens, 1), E)], dim=1).to(DEVICE)  # the folded shared expert
     got = cuda_route.align_pairs(ids, E + 1, block_m)
-    limit, cuda_moe.MAX_ALIGN_PAIRS = cuda_moe.MAX_ALIGN_PAIRS, 0
-    try:
-        want = cuda_moe._pairs_by_expert(ids, E + 1, block_m)
-    finally:
-        cuda_moe.MAX_ALIGN_PAIRS = limit
+    want = cuda_moe.pairs_by_sort(ids, E + 1, block_m)
     assert torch.equal(got.cpu(), want.cpu())
 
 

@@ -58,11 +58,7 @@ def new_moe_block(x, router, experts_w13, experts_w2) -> torch.Tensor:
 
 
 def sorted_layout(ids: torch.Tensor) -> torch.Tensor:
-    limit, cuda_moe.MAX_ALIGN_PAIRS = cuda_moe.MAX_ALIGN_PAIRS, 0
-    try:
-        return cuda_moe._pairs_by_expert(ids, E + 1, 16)
-    finally:
-        cuda_moe.MAX_ALIGN_PAIRS = limit
+    return cuda_moe.pairs_by_sort(ids, E + 1, 16)
 
 
 def bench(tokens: int, moe_weights: tuple[torch.Tensor, ...]) -> None:
@@ -101,11 +97,11 @@ def bench(tokens: int, moe_weights: tuple[torch.Tensor, ...]) -> None:
     router, experts_w13, experts_w2 = moe_weights
     old = partial(old_moe_block, x, router[:E], router[E : E + 1], experts_w13[:E], experts_w2[:E],
                   experts_w13[E], experts_w2[E])  # fmt: skip
-    limit, cuda_moe.MAX_ALIGN_PAIRS = cuda_moe.MAX_ALIGN_PAIRS, 0  # the old block sorted its pairs
+    counting, cuda_moe.align_pairs = cuda_moe.align_pairs, cuda_moe.pairs_by_sort  # the old block sorted
     try:
         old_us = us(old)
     finally:
-        cuda_moe.MAX_ALIGN_PAIRS = limit
+        cuda_moe.align_pairs = counting
     ROWS.append(("MoE block (route, experts, shared)", tokens, old_us,
                  us(partial(new_moe_block, x, router, experts_w13, experts_w2))))  # fmt: skip
 

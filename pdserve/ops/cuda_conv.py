@@ -42,6 +42,48 @@ def _conv_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])  # fmt: skip
 
 
+@triton.jit
+def _conv_history_kernel(
+    x_ptr, pool_ptr, slot_ptr, cu_ptr, C, stride_xt, stride_ps,
+    HIST: tl.constexpr, H_PAD: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """(sequence n, BC channels): the slot's new history, the last HIST inputs of history + sequence:
+    from x inside the sequence, else from the old history (read before any of it is written)."""
+    n = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    offs_h = tl.arange(0, H_PAD)
+    start = tl.load(cu_ptr + n)
+    length = tl.load(cu_ptr + n + 1) - start
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    back = offs_h + length  # the new history's j-th input, counted from the old history's start
+    from_x = back >= HIST
+    tile = (offs_c < C)[:, None] & (offs_h < HIST)[None, :]
+    pos = (start - HIST + back).to(tl.int64)
+    x = tl.load(x_ptr + pos[None, :] * stride_xt + offs_c[:, None], mask=tile & from_x[None, :], other=0.0)
+    hist_ptrs = pool_ptr + slot * stride_ps + offs_c[:, None] * HIST
+    old = tl.load(hist_ptrs + back[None, :], mask=tile & ~from_x[None, :], other=0.0)
+    tl.debug_barrier()  # every thread has read the old history before any thread overwrites it
+    tl.store(hist_ptrs + offs_h[None, :], tl.where(from_x[None, :], x.to(old.dtype), old), mask=tile)
+
+
+_SEQ_KEPT = 4
+_seq_of: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a pass's cu_seqlens, each token's sequence)
+
+
+def _seq_of_token(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each token's sequence index, made once a pass (every GDN layer of it passes the same
+    cu_seqlens: held here, so its identity is never reused while kept)."""
+    for kept, seq in _seq_of:
+        if kept is cu_seqlens and seq.shape[0] == num_tokens:
+            return seq
+    ends = cu_seqlens[1:].long()
+    _seq_of.append(
+        (cu_seqlens, torch.searchsorted(ends, torch.arange(num_tokens, device=ends.device), right=True))
+    )
+    del _seq_of[:-_SEQ_KEPT]
+    return _seq_of[-1][1]
+
+
 def causal_conv1d_prefill(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -51,33 +93,27 @@ def causal_conv1d_prefill(
 ) -> torch.Tensor:
     """x [T, C]; weight [C, W]; cu_seqlens int32 [N+1]; conv_pool [S, C, W-1] (each slot's [C, W-1]
     contiguous); slot_ids int64 [N] -> out [T, C] in x's dtype. Sync-free: one Triton launch for the
-    outputs, then each slot's new history (the last W-1 inputs of history + sequence) in torch."""
+    outputs, then one for each slot's new history (the last W-1 inputs of history + sequence)."""
     num_tokens, channels = x.shape
     history_len = conv_pool.shape[2]
     if conv_pool.stride(2) != 1 or conv_pool.stride(1) != history_len:
         raise ValueError("causal_conv1d_prefill: each slot's [C, W-1] history must be contiguous")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    device = x.device
-    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
-    out = torch.empty(num_tokens, channels, dtype=x.dtype, device=device)
+    out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    seq_of_token = torch.searchsorted(ends, torch.arange(num_tokens, device=device), right=True)
     block_t, block_c = 32, 128
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
     _conv_prefill_kernel[grid](
-        x, weight, conv_pool, slot_ids, seq_of_token, cu_seqlens, out,
+        x, weight, conv_pool, slot_ids, _seq_of_token(cu_seqlens, num_tokens), cu_seqlens, out,
         num_tokens, channels, x.stride(0), weight.stride(0), conv_pool.stride(0), out.stride(0),
         HIST=history_len, BT=block_t, BC=block_c,
     )  # fmt: skip
-    # the last W-1 inputs of (history + sequence): from x where inside the sequence, else old history
-    positions = ends[:, None] - history_len + torch.arange(history_len, device=device)  # [N, W-1]
-    from_x = (positions >= starts[:, None])[:, None, :]
-    recent = x[positions.clamp(min=0)].transpose(1, 2).to(conv_pool.dtype)  # [N, C, W-1]
-    old_index = (history_len + positions - starts[:, None]).clamp(0, history_len - 1)
-    old = conv_pool.index_select(0, slot_ids).gather(2, old_index[:, None, :].expand(-1, channels, -1))
-    conv_pool.index_copy_(0, slot_ids, torch.where(from_x, recent, old))
+    _conv_history_kernel[(slot_ids.shape[0], triton.cdiv(channels, 256))](
+        x, conv_pool, slot_ids, cu_seqlens, channels, x.stride(0), conv_pool.stride(0),
+        HIST=history_len, H_PAD=triton.next_power_of_2(history_len), BC=256,
+    )  # fmt: skip
     return out
 
 

@@ -2,9 +2,11 @@
 program per token, and the alignment of (token, k) pairs into per-expert row blocks by counting.
 
 `route_topk` has the semantics of `pdserve.ops.layer_ops.route_topk`. `align_pairs` produces the
-same row layout as `pdserve.ops.cuda_moe`'s torch path (each expert's pairs in pair order, padded to
-whole blocks), in one launch: a histogram of the experts, prefix sums of the padded counts, and one
-`tl.sort` of (expert, pair) keys to rank each pair inside its expert.
+same row layout as `pdserve.ops.cuda_moe.pairs_by_sort` (each expert's pairs in pair order, padded
+to whole blocks) without a device sort: up to `MAX_ALIGN_PAIRS` pairs in one launch (a histogram of
+the experts, prefix sums of the padded counts, and one `tl.sort` of (expert, pair) keys to rank each
+pair inside its expert); more (prefill passes) in two, over chunks of `ALIGN_CHUNK` pairs: each
+chunk's histogram, then each chunk ranks its own pairs after the chunks before it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ALIGN_PAIRS = 8192  # one program sorts every pair: decode and small prefills; larger go to torch
+MAX_ALIGN_PAIRS = 8192  # one program sorts every pair: decode and small prefills
+ALIGN_CHUNK = 4096  # above that, a program per chunk of pairs
 
 
 @triton.jit
@@ -98,16 +101,80 @@ def _align_pairs_kernel(
     tl.store(pair_of_row_ptr + rows, (keys % P_PAD).to(tl.int64), mask=in_expert)
 
 
+@triton.jit
+def _chunk_counts_kernel(
+    ids_ptr, counts_ptr, pair_of_row_ptr, num_pairs, num_rows, E,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    """Chunk c: how many of its pairs each expert has (counts[c, :]); and its share of the -1 fill."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_pairs
+    experts = tl.where(valid, tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32), E)
+    tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(experts, E_PAD))
+    share = tl.cdiv(num_rows, tl.num_programs(0))
+    end = tl.minimum(num_rows, (c + 1) * share)
+    for start in range(c * share, end, FILL):
+        rows = start + tl.arange(0, FILL)
+        tl.store(pair_of_row_ptr + rows, tl.full([FILL], -1, tl.int64), mask=rows < end)
+
+
+@triton.jit
+def _chunk_scatter_kernel(
+    ids_ptr, counts_ptr, pair_of_row_ptr, scratch_ptr, num_pairs, num_chunks, E,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Chunk c: expert e's pairs of this chunk follow e's pairs of the chunks before it, from e's
+    padded start (from every chunk's counts); ranked inside the chunk by one `tl.sort`."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, E_PAD)
+    total = tl.zeros([E_PAD], tl.int32)
+    before = tl.zeros([E_PAD], tl.int32)
+    for first in range(0, num_chunks, ROWS):
+        chunk = first + tl.arange(0, ROWS)
+        counts = tl.load(
+            counts_ptr + chunk[:, None] * E_PAD + offs_e[None, :], mask=chunk[:, None] < num_chunks, other=0
+        )
+        total += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where(chunk[:, None] < c, counts, 0), axis=0)
+    total = tl.where(offs_e < E, total, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    offs = tl.arange(0, CHUNK)
+    valid = c * CHUNK + offs < num_pairs
+    experts = tl.where(valid, tl.load(ids_ptr + c * CHUNK + offs, mask=valid, other=0).to(tl.int32), E)
+    mine = tl.where(offs_e < E, tl.histogram(experts, E_PAD), 0)
+    # row of the i-th pair in this chunk's (expert, pair) order = i + shift[its expert]
+    shift = (tl.cumsum(padded, axis=0) - padded) + before - (tl.cumsum(mine, axis=0) - mine)
+    tl.store(scratch_ptr + c * E_PAD + offs_e, shift)
+    tl.debug_barrier()  # the shifts are visible to every thread before the scatter
+    keys = tl.sort(experts * CHUNK + offs)
+    sorted_experts = keys // CHUNK
+    in_expert = sorted_experts < E
+    rows = offs + tl.load(scratch_ptr + c * E_PAD + sorted_experts, mask=in_expert, other=0)
+    tl.store(pair_of_row_ptr + rows, (c * CHUNK + keys % CHUNK).to(tl.int64), mask=in_expert)
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
-    """topk_ids [T, K] (at most MAX_ALIGN_PAIRS pairs) -> the pair index of each padded row, -1 for
-    padding: int64 [(ceil(T*K / block_m) + num_experts) * block_m]. Sizes depend only on the shapes."""
+    """topk_ids [T, K] -> the pair index of each padded row, -1 for padding: int64
+    [(ceil(T*K / block_m) + num_experts) * block_m]. Sizes depend only on the shapes: no sync."""
     flat = topk_ids.flatten()
     num_pairs = flat.shape[0]
-    if num_pairs > MAX_ALIGN_PAIRS:
-        raise ValueError(f"align_pairs: {num_pairs} pairs, at most {MAX_ALIGN_PAIRS} in one program")
     num_rows = (triton.cdiv(num_pairs, block_m) + num_experts) * block_m
     pair_of_row = torch.empty(num_rows, dtype=torch.int64, device=flat.device)
     e_pad = triton.next_power_of_2(num_experts + 1)
+    if num_pairs > MAX_ALIGN_PAIRS:
+        chunks = triton.cdiv(num_pairs, ALIGN_CHUNK)
+        counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=flat.device)
+        scratch = torch.empty(chunks, e_pad, dtype=torch.int32, device=flat.device)
+        _chunk_counts_kernel[(chunks,)](
+            flat, counts, pair_of_row, num_pairs, num_rows, num_experts,
+            CHUNK=ALIGN_CHUNK, E_PAD=e_pad, FILL=1024, num_warps=8,
+        )  # fmt: skip
+        _chunk_scatter_kernel[(chunks,)](
+            flat, counts, pair_of_row, scratch, num_pairs, chunks, num_experts,
+            BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, E_PAD=e_pad, ROWS=16, num_warps=8,
+        )  # fmt: skip
+        return pair_of_row
     scratch = torch.empty(e_pad, dtype=torch.int32, device=flat.device)
     p_pad = max(16, triton.next_power_of_2(num_pairs))
     _align_pairs_kernel[(1,)](
