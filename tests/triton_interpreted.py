@@ -10,12 +10,22 @@ does. A check raises AssertionError on a mismatch.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 import torch
 
-from pdserve.ops import cuda_conv, cuda_moe, cuda_route, reference
+from pdserve.ops import (
+    cuda_attention,
+    cuda_conv,
+    cuda_gdn,
+    cuda_layers,
+    cuda_moe,
+    cuda_norms,
+    cuda_route,
+    reference,
+)
 from pdserve.ops import reference_layers as ref
 from pdserve.ops.moe import fused_moe_reference
 
@@ -92,7 +102,101 @@ def check_moe(gen: torch.Generator) -> None:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-CHECKS = {"align": check_align, "route": check_route, "conv": check_conv, "moe": check_moe}
+def check_norms(gen: torch.Generator) -> None:
+    """RMSNorm; the residual add + RMSNorm of one part and of a MoE's expert rows; gated RMSNorm
+    with a strided gate; the GDN prefill's q/k l2 norm."""
+    hidden, heads, dim = 48, 4, 16
+    x, residual = torch.randn(5, hidden, generator=gen), torch.randn(5, hidden, generator=gen)
+    parts, weight = torch.randn(5, K + 1, hidden, generator=gen), torch.randn(hidden, generator=gen) * 0.3
+    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
+    close(cuda_norms.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
+    for p in (x, parts):
+        got, want = (
+            cuda_norms.add_rms_norm(p, residual, weight, 1e-6),
+            ref.add_rms_norm(p, residual, weight, 1e-6),
+        )
+        close(got[0], want[0])  # the normed
+        close(got[1], want[1])  # the new residual stream
+    gx, source = torch.randn(5, heads, dim, generator=gen), torch.randn(5, 3 * heads * dim, generator=gen)
+    gate, gw = (
+        source[:, heads * dim : 2 * heads * dim].view(5, heads, dim),
+        1 + torch.randn(dim, generator=gen) * 0.3,
+    )
+    close(cuda_norms.gated_rms_norm(gx, gate, gw, 1e-6), ref.gated_rms_norm(gx, gate, gw, 1e-6))
+    close(cuda_norms.l2_normalize(gx, torch.float32, 1e-6), reference._l2_normalized(gx))
+
+
+def check_gdn_step(gen: torch.Generator) -> None:
+    """The GDN gates, then three decode steps updating fp32 states in place in their slots."""
+    batch, k_heads, v_heads, dk, dv, slots = 3, 2, 4, 16, 32, 5
+    ab = torch.randn(batch, 2 * v_heads, generator=gen) * 6
+    A_log, dt_bias = torch.rand(v_heads, generator=gen) * 2.7, torch.randn(v_heads, generator=gen)
+    g, beta = cuda_layers.gdn_gates(ab[:, :v_heads], ab[:, v_heads:], A_log, dt_bias)
+    want_g, want_beta = ref.gdn_gates(ab[:, :v_heads], ab[:, v_heads:], A_log, dt_bias)
+    torch.testing.assert_close(g, want_g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(beta, want_beta, rtol=1e-5, atol=1e-6)
+    pool, ids = torch.randn(slots, v_heads, dk, dv, generator=gen) * 0.3, torch.tensor([4, 0, 2])
+    got_pool, want_pool = pool.clone(), pool.clone()
+    for _ in range(3):
+        q, k = (torch.randn(batch, k_heads, dk, generator=gen) for _ in range(2))
+        v = torch.randn(batch, v_heads, dv, generator=gen)
+        got = cuda_gdn.gdn_recurrent_step(q, k, v, g, beta, got_pool, ids, block_v=16)
+        want = reference.gdn_recurrent_step(q, k, v, g, beta, want_pool, ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
+
+
+def check_attention(gen: torch.Generator) -> None:
+    """q/k RMSNorm + partial rotary + KV store (no other slot written) and the output gate; paged
+    decode attention (split over each sequence's own length) and the GQA-tiled prefill continuing
+    earlier contexts, over NaN-poisoned spare pages."""
+    from pdserve.model.layers import RotaryEmbedding
+    from pdserve.ops import cuda_prefill_attention
+
+    heads, kv_heads, dim, page, pages = 4, 2, 32, 16, 12
+    rotary = RotaryEmbedding(16, 1e7, 512)
+    qkv = torch.randn(5, (2 * heads + 2 * kv_heads) * dim, generator=gen)
+    qw, kw = torch.randn(dim, generator=gen) * 0.3, torch.randn(dim, generator=gen) * 0.3
+    positions, slots = torch.tensor([0, 7, 100, 3, 511]), torch.tensor([3, 40, 17, 95, 60])
+    got_kv = torch.full((2, pages, page, kv_heads, dim), float("nan"))
+    want_kv = got_kv.clone()
+    args = (rotary.cos_cache, rotary.sin_cache, positions)
+    got_q, got_gate = cuda_layers.qk_norm_rope_store(qkv, heads, qw, kw, 1e-6, *args, got_kv, slots)
+    want_q, want_gate = ref.qk_norm_rope_store(qkv, heads, qw, kw, 1e-6, *args, want_kv, slots)
+    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5, equal_nan=True)
+    close(got_q, want_q)
+    close(got_kv, want_kv)
+    o = torch.randn(5, heads, dim, generator=gen)
+    close(cuda_layers.output_gate(o, got_gate), ref.output_gate(o, want_gate))
+    context, q_lens = [21, 5, 40], [3, 5, 17]
+    tables = torch.randperm(pages - 1, generator=gen)[:9].view(3, 3).int()
+    kv = torch.full((2, pages, page, kv_heads, dim), float("nan"))
+    for i, n in enumerate(context):
+        for at in range(n):
+            kv[:, tables[i, at // page], at % page] = torch.randn(2, kv_heads, dim, generator=gen)
+    seq_lens = torch.tensor(context, dtype=torch.int32)
+    q = torch.randn(3, heads, dim, generator=gen)
+    ones = torch.arange(4, dtype=torch.int32)
+    want = reference.paged_attention(q, kv, ones, seq_lens, tables, dim**-0.5)
+    close(cuda_attention.paged_attention(q, kv, ones, seq_lens, tables, dim**-0.5), want)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    want = reference.paged_attention(q, kv, cu, seq_lens, tables, dim**-0.5)
+    got = cuda_prefill_attention.paged_prefill(
+        q, kv, cu, seq_lens, tables, dim**-0.5, max(q_lens), block_m=16, block_n=16
+    )
+    close(got, want)
+
+
+CHECKS = {
+    "align": check_align,
+    "route": check_route,
+    "conv": check_conv,
+    "moe": check_moe,
+    "norms": check_norms,
+    "gdn_step": check_gdn_step,
+    "attention": check_attention,
+}
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
