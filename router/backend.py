@@ -47,6 +47,8 @@ class TokenEvent:
     `prompt_logprobs` (the first event, when `params.prompt_logprobs` asked): one entry per prompt
     token, shaped like `logprobs` items plus "rank"; the first token's has its "token_id" only
     (nothing predicts it). `token_ids` is empty when `params.max_tokens` is 0 (the prompt scored).
+    `stop_reason` (the finished event): the stop string or stop token id that ended the request,
+    None for end-of-sequence and for "length" (vLLM's `stop_reason`).
     """
 
     token_ids: list[int]
@@ -56,6 +58,7 @@ class TokenEvent:
     finish_reason: str | None
     cached_tokens: int = 0
     prompt_logprobs: list[dict] | None = None
+    stop_reason: int | str | None = None
 
 
 def prompt_entries(prompt_token_ids: list[int], engine_entries: list | None) -> list[dict] | None:

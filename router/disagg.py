@@ -81,6 +81,7 @@ class DisaggBackend:
             first.finish_reason,
             cached_tokens=first.num_cached_tokens,
             prompt_logprobs=prompt_entries(req.prompt_token_ids, first.prompt_logprobs),
+            stop_reason=first.stop_reason,
         )
         if first.finished:  # max_tokens 0 or 1, a stop: no lease was made, no decode stream opens
             return
@@ -134,7 +135,12 @@ class DisaggBackend:
                     yield None
                     continue
                 yield TokenEvent(
-                    event.token_ids, event.text_delta, event.logprobs, event.finished, event.finish_reason
+                    event.token_ids,
+                    event.text_delta,
+                    event.logprobs,
+                    event.finished,
+                    event.finish_reason,
+                    stop_reason=event.stop_reason,
                 )
                 if event.finished:
                     return

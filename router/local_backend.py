@@ -109,6 +109,7 @@ class LocalBackend:
                 logprobs=None if out.logprobs is None else out.logprobs[len(out.logprobs) - n :],
                 finished=out.finished,
                 finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
                 prompt_logprobs=prompt_entries(out.prompt_token_ids, out.prompt_logprobs) if first else None,
             )
             self._send(out.request_id, event)

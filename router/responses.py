@@ -68,6 +68,7 @@ class Choice:
     prompt_logprobs: list[dict] | None = None  # TokenEvent.prompt_logprobs, when asked for
     started: bool = False  # a chunk of this choice went out (streaming)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     cached_tokens: int = 0
     text_offset: int = 0  # completions logprobs: where the next token's text starts
     parser: ChatOutputParser | None = None  # chat with reasoning or tool-call parsing
@@ -84,6 +85,7 @@ class Choice:
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
         self.finish_reason = event.finish_reason
+        self.stop_reason = event.stop_reason
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
 
 
@@ -145,9 +147,15 @@ class ResponseFormat:
         return {**body, "usage": usage(choices, self.n)}
 
     def one_choice_chunk(
-        self, index: int, payload: dict, logprobs: dict | None = None, finish_reason: str | None = None
+        self,
+        index: int,
+        payload: dict,
+        logprobs: dict | None = None,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
     ) -> dict:
-        return self.chunk([{"index": index, **payload, "logprobs": logprobs, "finish_reason": finish_reason}])
+        choice = {"index": index, **payload, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self.chunk([{**choice, "stop_reason": stop_reason}])
 
     def event_chunk(self, choice: Choice, event: TokenEvent) -> dict | None:
         """The chunk of one event (after `choice.add(event)`); None when it has nothing to say
@@ -163,7 +171,7 @@ class ResponseFormat:
             if choice.has_logprobs:
                 entries = [*(choice.prompt_logprobs or ()), *entries]
         logprobs = None if entries is None else self.logprobs(choice, entries)
-        chunk = self.one_choice_chunk(choice.index, delta, logprobs, event.finish_reason)
+        chunk = self.one_choice_chunk(choice.index, delta, logprobs, event.finish_reason, event.stop_reason)
         if event.prompt_logprobs is not None:
             self.add_prompt_logprobs(chunk, [choice])
         return chunk
@@ -178,6 +186,7 @@ class ResponseFormat:
             **self.message(choice),
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
         }
 
     def add_prompt_logprobs(self, body: dict, choices: list[Choice]) -> None:
@@ -234,7 +243,7 @@ class ChatFormat(ResponseFormat):
             delta = {"content": ""}
         logprobs = None if event.logprobs is None else self.logprobs(choice, event.logprobs)
         reason = parser.finish_reason(event.finish_reason)
-        chunk = self.one_choice_chunk(choice.index, {"delta": delta}, logprobs, reason)
+        chunk = self.one_choice_chunk(choice.index, {"delta": delta}, logprobs, reason, event.stop_reason)
         if event.prompt_logprobs is not None:
             self.add_prompt_logprobs(chunk, [choice])
         return chunk

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -118,9 +119,26 @@ def test_stop_strings_and_logprobs_equal_offline(client: openai.OpenAI, offline:
     )
     choice = reply.choices[0]
     assert choice.text == expected.text and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop
     ours = choice.logprobs.token_logprobs
     theirs = [entry["logprob"] for entry in expected.logprobs][: len(ours)]
     assert len(ours) >= 2 and ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_stop_reason_from_prefill_and_decode(stack: Stack, offline: LLM) -> None:
+    """vLLM's `stop_reason` crosses both hops: a stop token id that ends the request at its first
+    token (on the prefill instance) and one that ends it later (on a decode instance)."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = offline.generate(PROMPTS[0], params)[0].token_ids
+    for stop_id in (ids[0], next(i for i in ids if i not in ids[:2])):
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+        body |= {"ignore_eos": True, "stop_token_ids": [stop_id]}
+        choice = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+        text = httpx.post(f"{stack.url}/v1/completions", json={**body, "stream": True}, timeout=60).text
+        chunks = [json.loads(x[6:]) for x in text.splitlines() if x.startswith("data: {")]
+        last = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+        assert [(c["finish_reason"], c["stop_reason"]) for c in last] == [("stop", stop_id)]
 
 
 def test_seeded_sampling_equals_offline(client: openai.OpenAI, offline: LLM) -> None:

@@ -4,6 +4,7 @@ must equal `pdserve.LLM`'s. Errors, disconnects and backend failures are in test
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -106,6 +107,39 @@ def test_stop_strings(client: openai.OpenAI, offline: LLM) -> None:
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def answers(server: str, path: str, body: dict) -> tuple[dict, list[dict]]:
+    """(the choice of a non-streamed answer, the choices of every chunk of the streamed one)."""
+    choice = httpx.post(server + path, json=body, timeout=60).json()["choices"][0]
+    lines = httpx.post(server + path, json={**body, "stream": True}, timeout=60).text.splitlines()
+    events = [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: {")]
+    return choice, [c for event in events for c in event["choices"]]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stop_reason(server: str, offline: LLM, path: str) -> None:
+    """vLLM's `stop_reason` in every choice: the stop string or stop token id that ended it, null
+    when the length did; streamed, every chunk's choice has it, set in the one that finishes."""
+    chat = path == "/v1/chat/completions"
+    full, ids, _ = reference(
+        offline, chat_prompt(offline) if chat else PROMPT, max_tokens=12, ignore_eos=True
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    base = {"model": MODEL, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    base |= {"messages": CHAT} if chat else {"prompt": PROMPT}
+    for fields, reason, expected in [
+        ({"stop": [stop]}, "stop", stop),
+        ({"stop_token_ids": [ids[3]]}, "stop", ids[3]),
+        ({}, "length", None),
+    ]:
+        choice, streamed = answers(server, path, {**base, **fields})
+        assert (choice["finish_reason"], choice["stop_reason"]) == (reason, expected), fields
+        assert all("stop_reason" in c for c in streamed), streamed
+        assert [(c["finish_reason"], c["stop_reason"]) for c in streamed if c["finish_reason"]] == [
+            (reason, expected)
+        ]
+        assert all(c["stop_reason"] is None for c in streamed if not c["finish_reason"])
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
