@@ -12,7 +12,9 @@ one backend generation: a chat request with n=2 counts twice.
   pdserve:num_requests_running          gauge      streaming tokens
   pdserve:prompt_tokens_total           counter    prompt tokens of requests that got a token
   pdserve:generation_tokens_total       counter    generated tokens
-  pdserve:request_success_total         counter    finished requests, label finished_reason
+  pdserve:request_success_total         counter    finished requests, label finished_reason (stop,
+                                                   length; abort: ended early, by a client gone, a
+                                                   sibling choice failing, a timeout or a drain)
   pdserve:request_errors_total          counter    generations ended by a backend error
   pdserve:requests_rejected_total       counter    HTTP requests refused or ended by admission, label
                                                    reason: queue_full, queue_timeout, key_concurrency
@@ -148,6 +150,7 @@ class RequestTracker:
         self.arrival = arrival
         self.last: float | None = None  # time of the previous token event
         self.gauge: Gauge | None = metrics.waiting
+        self.ended = False  # finished or failed: counted once, in request_success or request_errors
         metrics.waiting.inc()
         metrics.preprocess.observe(time.monotonic() - arrival)  # the backend is asked now
 
@@ -165,16 +168,23 @@ class RequestTracker:
         m.generation_tokens.inc(num_tokens)
         self.last = now
         if finish_reason is not None:
+            self.ended = True
             m.finished(finish_reason)
             m.e2e.observe(now - self.arrival)
             self._move(None)
 
     def on_error(self) -> None:
+        self.ended = True
         self.metrics.errors.inc()
         self._move(None)
 
     def close(self) -> None:
-        """The generation is over whatever happened (finished, failed, cancelled): leave the gauges."""
+        """The generation is over whatever happened (finished, failed, cancelled): leave the gauges.
+        One that neither finished nor failed was aborted: counted as finished_reason "abort", as
+        vLLM counts its aborted requests."""
+        if not self.ended:
+            self.ended = True
+            self.metrics.finished("abort")
         self._move(None)
 
     def _move(self, gauge: Gauge | None) -> None:

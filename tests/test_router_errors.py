@@ -152,10 +152,18 @@ def engine_steps(server: str) -> float:
     )
 
 
+def aborted(server: str) -> float:
+    """The router's request_success_total{finished_reason="abort"} (0 before the first abort)."""
+    name = 'pdserve:request_success_total{finished_reason="abort"}'
+    lines = [x for x in httpx.get(f"{server}/metrics").text.splitlines() if x.startswith(name + " ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts(server: str, engine: LLMEngine, stream: bool) -> None:
-    """A client that leaves stops its generation: 100 tokens would take 100 engine steps."""
-    before = engine_steps(server)
+    """A client that leaves stops its generation: 100 tokens would take 100 engine steps; the
+    router counts it as finished_reason="abort" (as vLLM does)."""
+    before, aborts = engine_steps(server), aborted(server)
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 100, "ignore_eos": True, "stream": stream}
     if stream:
         with httpx.stream("POST", f"{server}/v1/chat/completions", json=body) as response:
@@ -167,6 +175,10 @@ def test_client_disconnect_aborts(server: str, engine: LLMEngine, stream: bool) 
             httpx.post(f"{server}/v1/chat/completions", json=body, timeout=0.3)
     wait_idle(engine)
     assert engine_steps(server) - before < 50
+    deadline = time.monotonic() + 10  # the generation's task closes right after the engine's abort
+    while aborted(server) == aborts and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert aborted(server) == aborts + 1
 
 
 # ---- backend failures, with fake backends

@@ -57,6 +57,30 @@ def test_without_a_name_no_label() -> None:
     assert not [name for name in text if "model_name" in name]
 
 
+def test_aborted_generations_count_as_abort() -> None:
+    """A generation that neither finished nor failed (its client gone, cancelled) counts under
+    finished_reason="abort", as vLLM's aborted requests do; one that finished or failed is not
+    counted again when it closes."""
+    metrics = RouterMetrics(model_name="qwen")
+    gone = metrics.track(prompt_tokens=4, arrival=time.monotonic())
+    gone.on_tokens(1, None)
+    gone.close()
+    never_started = metrics.track(prompt_tokens=4, arrival=time.monotonic())
+    never_started.close()
+    finished = metrics.track(prompt_tokens=2, arrival=time.monotonic())
+    finished.on_tokens(1, "length")
+    failed = metrics.track(prompt_tokens=2, arrival=time.monotonic())
+    failed.on_error()
+    for tracker in (gone, never_started, finished, failed):
+        tracker.close()  # closing again counts nothing more
+    text = series(metrics.render().decode())
+    assert text['pdserve:request_success_total{finished_reason="abort",model_name="qwen"}'] == 2
+    assert text['pdserve:request_success_total{finished_reason="length",model_name="qwen"}'] == 1
+    assert text['pdserve:request_errors_total{model_name="qwen"}'] == 1
+    assert text['pdserve:num_requests_running{model_name="qwen"}'] == 0
+    assert text['pdserve:num_requests_waiting{model_name="qwen"}'] == 0
+
+
 def info(role: str, name: str, agent: str, **load: int) -> InstanceInfo:
     return InstanceInfo(role, name, f"{name}:1", load=load, extra={"agent": agent})
 
