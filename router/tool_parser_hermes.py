@@ -11,7 +11,9 @@ is `{}`. A call is reported when its block ends, name and arguments together, an
 arguments are a JSON object and the name a string: any other block (cut off by max_tokens,
 broken JSON, no name) is content, its text as the model wrote it, as vLLM's hermes parser
 answers (a client's `json.loads(arguments)` never fails on what we send). The price: a hermes
-call's arguments are not streamed as they form (qwen3_coder's are).
+call's arguments are not streamed as they form (qwen3_coder's are). The text before a call is
+content as the model wrote it, its trailing whitespace included (`'Sure. '`), as vLLM's hermes
+parser answers it, streamed or not.
 """
 
 from __future__ import annotations
@@ -157,5 +159,7 @@ def _loads(token: list[str]) -> object:
 
 
 class HermesToolParser(ToolParser):
+    trims_before_call = False  # vLLM's hermes parser: the content is the text before <tool_call> as written
+
     def new_body(self, tag: str) -> HermesCall:
         return HermesCall()

@@ -6,7 +6,8 @@ possible partial tag; at a start tag a `CallBody` of the format takes over until
 ends, reporting the function name as soon as it is known and the arguments (a JSON object as
 text) in pieces as they form. Each call gets an id `call_<24 hex>`; its arguments pieces joined
 are the final arguments string. The text before, between and after calls is the content, with
-the whitespace next to a call trimmed.
+the whitespace next to a call trimmed; a format with `trims_before_call = False` (hermes, as
+vLLM's hermes parser) keeps the text before a call as generated, its trailing whitespace too.
 
 The formats (router.tool_parser_qwen3_coder, router.tool_parser_hermes) are bodies; joining the
 deltas of any split of a text gives what one `feed` of the whole text gives (tested so).
@@ -84,6 +85,7 @@ class ToolParser:
     """Content and tool calls of one choice; subclasses name their start tags and bodies."""
 
     start_tags: tuple[str, ...] = (TOOL_CALL_START,)
+    trims_before_call: bool = True  # False: the whitespace before a call stays in the content
 
     def __init__(self, tools: list[dict[str, Any]] | None, parallel: bool = True) -> None:
         self.schemas = parameter_schemas(tools)
@@ -116,6 +118,8 @@ class ToolParser:
                     out.content += self._content.flush() if final else ""
                     return out
                 out.content += self._content.add(self._buf[:at])
+                if not self.trims_before_call:
+                    out.content += self._content.flush()
                 self._content.cut()
                 self._buf = self._buf[at + (len(tag) if tag == TOOL_CALL_START else 0) :]
                 self._body, self._current = self.new_body(tag), None

@@ -65,7 +65,8 @@ def test_tool_call_parsed(scripted_routers: ScriptedRouters, parser: str, call: 
     text = ("</think>\n\n" if parser == "qwen3_coder" else "") + "Let me check.\n\n" + call
     answer, backend = ask(scripted_routers, parser, text, tools=TOOLS)
     choice = answer.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    content = "Let me check." + ("\n\n" if parser == "hermes" else "")  # hermes: as written (vLLM's)
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
     [tool_call] = choice.message.tool_calls
     assert tool_call.id.startswith("call_") and tool_call.type == "function"
     assert tool_call.function.name == "get_weather"
@@ -74,7 +75,7 @@ def test_tool_call_parsed(scripted_routers: ScriptedRouters, parser: str, call: 
     client, _ = scripted_routers[parser]
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, stream=True))
     streamed = joined_stream(chunks)
-    assert streamed["finish"] == "tool_calls" and streamed["content"] == "Let me check."
+    assert streamed["finish"] == "tool_calls" and streamed["content"] == content
     assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [
         ("get_weather", tool_call.function.arguments)
     ]

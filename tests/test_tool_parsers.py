@@ -184,8 +184,17 @@ def test_hermes_call_every_split() -> None:
         '{"name": "get_weather", "arguments": {"city": "P}a\\"r", "days": [3]}}'
     )
     text += "\n" + hermes_call('{"arguments": {}, "name": "search"}')  # the name after the arguments
-    expected = ("I will look.", [("get_weather", '{"city": "P}a\\"r", "days": [3]}'), ("search", "{}")])
+    expected = ("I will look.\n\n", [("get_weather", '{"city": "P}a\\"r", "days": [3]}'), ("search", "{}")])
     assert_any_split("hermes", text, expected)
+
+
+def test_hermes_keeps_the_text_before_a_call_as_written() -> None:
+    """vLLM's hermes parser: the content is the text before `<tool_call>` as generated, its
+    trailing whitespace included (streamed: the same deltas joined). qwen3_coder still trims it
+    (test_qwen3_coder_call_with_content)."""
+    call = hermes_call('{"name": "search", "arguments": {"q": "x"}}')
+    for before in ("Sure. ", "Sure.\n\n", "\n"):
+        assert_any_split("hermes", before + call, (before, [("search", '{"q": "x"}')]))
 
 
 @pytest.mark.parametrize(
