@@ -12,7 +12,7 @@ import importlib.metadata
 import time
 from collections.abc import Sequence
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
@@ -28,6 +28,7 @@ from router.errors import (
     error_response,
     install_error_handlers,
     install_openapi_schema,
+    require_json,
 )
 from router.gate import RequestGate
 from router.handlers import OpenAIRouter
@@ -43,6 +44,7 @@ from router.tokenize import (
 )
 
 ERRORS = {status: GENERATION_ERRORS[status] for status in (400, 404, 500)}  # of /tokenize, /detokenize
+JSON_BODY = [Depends(require_json)]  # a body sent as anything but JSON: a 400 naming the Content-Type
 
 
 def pdserve_version() -> str:
@@ -97,11 +99,11 @@ def create_app(
         allow_credentials=api.allow_credentials,
     )
 
-    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS, dependencies=JSON_BODY)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await router.chat(body, request)
 
-    @app.post("/v1/completions", responses=GENERATION_ERRORS)
+    @app.post("/v1/completions", responses=GENERATION_ERRORS, dependencies=JSON_BODY)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await router.completions(body, request)
 
@@ -117,11 +119,11 @@ def create_app(
             "data": [{**card, "max_model_len": backend.max_model_len()} for card in cards],
         }
 
-    @app.post("/tokenize", responses=ERRORS)
+    @app.post("/tokenize", responses=ERRORS, dependencies=JSON_BODY)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
         return await tokenize(router, body)
 
-    @app.post("/detokenize", responses=ERRORS)
+    @app.post("/detokenize", responses=ERRORS, dependencies=JSON_BODY)
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         return detokenize(router, body)
 

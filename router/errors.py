@@ -15,8 +15,10 @@ Statuses and types:
   429 invalid_request_error  an API key at its concurrency limit (router.gate), with Retry-After
   5xx server_error           a backend failure (`BackendError`, 503 when no instance can take it);
                              503 also for a full queue or a queue timeout (router.admission)
-Every 429 and 503 carries `Retry-After` (seconds). The OpenAPI schema says so too: each
-generation route lists these statuses with the error object, and FastAPI's 422 is gone.
+A body sent with a Content-Type other than JSON is a 400 naming that header and what it should
+be (`require_json`), not the body it left unread. Every 429 and 503 carries `Retry-After`
+(seconds). The OpenAPI schema says so too: each generation route lists these statuses with the
+error object, and FastAPI's 422 is gone.
 """
 
 from __future__ import annotations
@@ -65,6 +67,24 @@ class BackendError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
+
+
+def is_json_media_type(content_type: str) -> bool:
+    """Does a Content-Type header say JSON (`application/json` or `application/*+json`, with any
+    parameters)? The rule by which FastAPI parses a body as JSON."""
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    main, _, sub = media_type.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+async def require_json(request: Request) -> None:
+    """A route dependency: a 400 naming the Content-Type header when it is not JSON (missing
+    too), as vLLM refuses such a request, before FastAPI would report the unparsed body."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        raise OpenAIError("The Content-Type header is missing: expected 'application/json'")
+    if not is_json_media_type(content_type):
+        raise OpenAIError(f"The Content-Type header is {content_type!r}: expected 'application/json'")
 
 
 def error_type(status: int) -> str:

@@ -234,6 +234,28 @@ def test_backend_fails_mid_stream(tokenizer: Tokenizer) -> None:
     assert_error(http.post("/v1/chat/completions", json=CHAT_OK), 500, "decode instance lost")
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_wrong_content_type_names_the_header(tokenizer: Tokenizer, content_type: str | None) -> None:
+    """A JSON body sent under another Content-Type (or none) is refused, as vLLM refuses it, with a
+    400 naming the header and what it should be, not "request body: Input should be a dict"."""
+    http = fake_client(tokenizer, 2, None)
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path, body in [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", CHAT_OK),
+        ("/tokenize", {"prompt": "x"}),
+        ("/detokenize", {"tokens": [1]}),
+    ]:
+        response = http.post(path, content=json.dumps(body), headers=headers)
+        assert_error(response, 400, "Content-Type header")
+        message = response.json()["error"]["message"]
+        assert "expected 'application/json'" in message and (content_type or "missing") in message
+        ok = http.post(
+            path, content=json.dumps(body), headers={"content-type": "application/json; charset=utf-8"}
+        )
+        assert ok.status_code == 200, ok.text
+
+
 def test_openapi_schema_says_400_where_the_router_answers_400(tokenizer: Tokenizer) -> None:
     """FastAPI documents a 422 for every body it validates; the router answers 400 (and 401, 413,
     429, 503 with the error object): a schema-driven client or fuzzer must see what it gets."""
