@@ -134,9 +134,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("passes", nargs="+", help="PxL: P prompts of L tokens in one pass")
     parser.add_argument("--host", action="store_true", help="also cProfile the host side of each pass")
+    parser.add_argument("--align-chunk", type=int, default=None, help="pairs a program aligns (prefill)")
     parser.add_argument("--out", type=Path, default=None, help="append the results as JSON lines here")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in p.split("x")) for p in args.passes]
+    if args.align_chunk is not None:
+        from pdserve.ops import cuda_route
+
+        cuda_route.ALIGN_CHUNK = args.align_chunk
     longest, most = max(length for _, length in shapes), max(p for p, _ in shapes)
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))
