@@ -63,6 +63,12 @@ def parents_of(token_ids: list[int], block_size: int, salt: str) -> list[bytes]:
 
 def tail_keys(parent: bytes, tokens_after: list[int], max_len: int) -> list[tuple[int, bytes]]:
     """(length, key) of every tail of 1 .. `max_len` tokens of `tokens_after` under `parent`,
-    longest first."""
+    longest first: `entry_key` of each, hashed incrementally (one pass over the tail, not one a
+    length: the router probes up to 3 x 63 tails for a conversation's prompt)."""
     n = min(max_len, len(tokens_after))
-    return [(t, entry_key(parent, tokens_after[:t])) for t in range(n, 0, -1)]
+    running = hashlib.sha256(parent + b"|tail|")
+    keys = []
+    for t, token in enumerate(tokens_after[:n], 1):
+        running.update(b"%d" % token if t == 1 else b",%d" % token)
+        keys.append((t, running.copy().digest()))
+    return keys[::-1]

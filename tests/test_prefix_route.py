@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from pdserve.messages import GenerateItem, PrefillResult
-from pdserve.prefix_keys import entry_key, parents_of, tail_marker
+from pdserve.prefix_keys import entry_key, parents_of, tail_keys, tail_marker
 from pdserve.registry import InstanceInfo, InstanceRegistry, RedisServer
 from pdserve.sampling.params import SamplingParams
 from router.backend import GenerateRequest
@@ -29,6 +29,15 @@ def redis_url():
     server = RedisServer().start()
     yield server.url
     server.stop()
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 63, 100])
+def test_tail_keys_are_the_entry_keys_of_each_tail(length: int) -> None:
+    """The router's incremental tail hashing names each tail as an instance's `entry_key` does."""
+    tokens = [(i * 7919) % 248_077 for i in range(length)]
+    parent = parents_of(list(range(BLOCK)), BLOCK, SALT)[1]
+    want = [(t, entry_key(parent, tokens[:t])) for t in range(min(BLOCK - 1, length), 0, -1)]
+    assert tail_keys(parent, tokens, BLOCK - 1) == want
 
 
 def entry_keys(tokens: list[int], n: int) -> list[str]:
