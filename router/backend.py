@@ -6,26 +6,24 @@ A backend raises `BackendError(message, status)` when it cannot go on; the route
 into a JSON error (nothing streamed yet) or an SSE error event (mid-stream). When the router
 stops iterating early (client gone), the backend aborts the request and frees its memory.
 
-`LocalBackend` (an `LLMEngine` in this process, for tests and benchmarks) lives in
-`router.local_backend`, which imports the engine; this module imports neither it nor torch, so
-`router.server` (the disaggregated router) runs without them. `from router.backend import
-LocalBackend` still works: the name is imported on first use.
+The router never imports the engine (nor torch): the backend it serves with is the
+disaggregated one (`router.disagg`); the tests' `LocalBackend` (tests/local_backend.py) puts an
+`LLMEngine` of their own process behind this interface.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from router.errors import BackendError
 
 if TYPE_CHECKING:
     from pdserve.sampling.params import SamplingParams
-    from router.local_backend import LocalBackend
 
 
-__all__ = ["Backend", "BackendError", "GenerateRequest", "LocalBackend", "TokenEvent", "prompt_entries"]
+__all__ = ["Backend", "BackendError", "GenerateRequest", "TokenEvent", "prompt_entries"]
 
 
 @dataclass(slots=True)
@@ -77,12 +75,3 @@ class Backend(Protocol):
     async def health(self) -> dict: ...
 
     def max_model_len(self) -> int: ...
-
-
-def __getattr__(name: str) -> Any:
-    """`LocalBackend`, imported from `router.local_backend` (and so the engine) on first use."""
-    if name == "LocalBackend":
-        from router.local_backend import LocalBackend
-
-        return LocalBackend
-    raise AttributeError(f"module 'router.backend' has no attribute {name!r}")

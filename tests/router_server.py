@@ -20,9 +20,9 @@ from fastapi import FastAPI
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from router.app import create_app
-from router.local_backend import LocalBackend
 from router.metrics import RouterMetrics
 from tests.live_server import serving
+from tests.local_backend import LocalBackend
 from tests.router_requests import MAX_MODEL_LEN, MODEL
 
 

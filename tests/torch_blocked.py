@@ -26,7 +26,6 @@ BLOCKED_MODULES = (
     "pdserve.llm",
     "pdserve.sampling.sampler",
     "kvtransfer.agent",
-    "router.local_backend",
 )
 
 

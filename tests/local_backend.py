@@ -1,7 +1,7 @@
 """`LocalBackend`: an `LLMEngine` in this process behind the router's `Backend` interface.
 
-Tests and benchmarks serve a tiny engine through the router app with it; the disaggregated
-router (`router.server`) never imports this module, nor the engine and torch behind it.
+The tests serve a tiny engine through the router app with it (tests/router_server.py). It lives
+with the tests: the router imports neither the engine nor torch.
 
 Lifecycle of a request:
 
