@@ -66,6 +66,7 @@ def _conv_history_kernel(
     tl.store(hist_ptrs + offs_h[None, :], tl.where(from_x[None, :], x.to(old.dtype), old), mask=tile)
 
 
+PREFILL_TILE = dict(BT=32, BC=128, num_warps=4)  # tokens x channels a program (bench_prefill_tiles)
 _SEQ_KEPT = 4
 _seq_of: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a pass's cu_seqlens, each token's sequence)
 
@@ -90,10 +91,12 @@ def causal_conv1d_prefill(
     cu_seqlens: torch.Tensor,
     conv_pool: torch.Tensor,
     slot_ids: torch.Tensor,
+    tile: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x [T, C]; weight [C, W]; cu_seqlens int32 [N+1]; conv_pool [S, C, W-1] (each slot's [C, W-1]
     contiguous); slot_ids int64 [N] -> out [T, C] in x's dtype. Sync-free: one Triton launch for the
-    outputs, then one for each slot's new history (the last W-1 inputs of history + sequence)."""
+    outputs, then one for each slot's new history (the last W-1 inputs of history + sequence).
+    `tile`: the output kernel's BT, BC, num_warps other than `PREFILL_TILE` (a sweep's)."""
     num_tokens, channels = x.shape
     history_len = conv_pool.shape[2]
     if conv_pool.stride(2) != 1 or conv_pool.stride(1) != history_len:
@@ -103,12 +106,12 @@ def causal_conv1d_prefill(
     out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    block_t, block_c = 32, 128
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
+    tile = tile or PREFILL_TILE
+    grid = (triton.cdiv(num_tokens, tile["BT"]), triton.cdiv(channels, tile["BC"]))
     _conv_prefill_kernel[grid](
         x, weight, conv_pool, slot_ids, _seq_of_token(cu_seqlens, num_tokens), cu_seqlens, out,
         num_tokens, channels, x.stride(0), weight.stride(0), conv_pool.stride(0), out.stride(0),
-        HIST=history_len, BT=block_t, BC=block_c,
+        HIST=history_len, **tile,
     )  # fmt: skip
     _conv_history_kernel[(slot_ids.shape[0], triton.cdiv(channels, 256))](
         x, conv_pool, slot_ids, cu_seqlens, channels, x.stride(0), conv_pool.stride(0),
