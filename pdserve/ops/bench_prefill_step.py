@@ -27,6 +27,7 @@ from pdserve.bench import QWEN36_35B_A3B
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.ops.bench_step import append_json_lines
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
@@ -155,10 +156,7 @@ def main() -> None:
         results = []
         for prompts, length in shapes:
             results.append(profile(runner, prompts, length, args.host))
-    if args.out is not None:
-        with args.out.open("a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+    append_json_lines(args.out, results)
 
 
 if __name__ == "__main__":

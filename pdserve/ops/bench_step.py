@@ -86,6 +86,13 @@ def profile(runner: ModelRunner, graphs: DecodeGraphs, concurrency: int, context
             "top": [(n[:120], t, c) for n, t, c in rows[:25]]}  # fmt: skip
 
 
+def append_json_lines(path: Path | None, rows: list[dict]) -> None:
+    """Each result as a JSON line at the end of `path` (none: nothing written)."""
+    if path is not None:
+        with path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 32])
@@ -116,10 +123,7 @@ def main() -> None:
         results = [
             profile(runner, graphs, c, args.context, args.save_logits, args.tag) for c in args.concurrency
         ]
-    if args.out is not None:
-        with args.out.open("a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+    append_json_lines(args.out, results)
 
 
 if __name__ == "__main__":
