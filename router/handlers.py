@@ -171,7 +171,12 @@ class OpenAIRouter:
             if not ids:
                 raise OpenAIError("prompt must not be empty", param="prompt")
             check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
-            echo = (item if isinstance(item, str) else self.tokenizer.decode(ids)) if body.echo else ""
+            if not body.echo:
+                echo = ""
+            elif isinstance(item, str):
+                echo = item
+            else:  # vLLM's prompt text of token ids: special tokens kept, as the echoed logprobs show
+                echo = self.tokenizer.decode(ids, skip_special_tokens=False)
             prompts.append((ids, echo))
         fmt = CompletionFormat(self.model, self.tokenizer, body.n, body.include_usage)
         return await self.serve(request, body, fmt, prompts, arrival)

@@ -138,3 +138,22 @@ def test_max_tokens_zero_returns_the_prompt_only(client: openai.OpenAI, offline:
     assert r.choices[0].text == PROMPT and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 0
     check_echoed_logprobs(offline, r.choices[0].logprobs.model_dump(), ref)
+
+
+def test_echoed_token_ids_keep_their_special_tokens(client: openai.OpenAI, offline: LLMEngine) -> None:
+    """A prompt of token ids is echoed as their text with the special tokens kept, as vLLM
+    decodes it: the text the echoed logprobs' tokens and offsets describe (before: the special
+    tokens were dropped from the text alone), streamed or not."""
+    tokenizer = offline.tokenizer
+    start, end = tokenizer.token_to_id("<|im_start|>"), tokenizer.token_to_id("<|im_end|>")
+    ids = [start, *tokenizer.encode("user\nHi"), end]
+    want = tokenizer.decode(ids, skip_special_tokens=False)
+    assert want.startswith("<|im_start|>") and want.endswith("<|im_end|>")
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    choice = r.choices[0]
+    assert choice.text == want == "".join(choice.logprobs.tokens)
+    stream = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, echo=True, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    assert streamed.startswith(want)
