@@ -26,7 +26,7 @@ import re
 from typing import Any
 
 from router.stream_text import find_first, partial_tag_length
-from router.tool_parsers import TOOL_CALL_END, Event, ToolParser
+from router.tool_parsers import TOOL_CALL_END, TOOL_CALL_START, Event, ToolParser
 
 FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
@@ -90,10 +90,14 @@ def json_string_body(text: str) -> str:
 
 
 class Qwen3CoderCall:
-    """One `<function=...>...</function>` call, read as it arrives."""
+    """One `<function=...>...</function>` call, read as it arrives. A block the text ends in
+    before a function is named (cut off by max_tokens: `<tool_call>\n<func`) is content as the
+    model wrote it, as vLLM's parser answers a text without `<function=`; a complete block that
+    holds no call is dropped."""
 
-    def __init__(self, schemas: dict[str, dict]) -> None:
+    def __init__(self, schemas: dict[str, dict], tag: str = TOOL_CALL_START) -> None:
         self.schemas = schemas
+        self.raw: list[str] | None = [tag if tag == TOOL_CALL_START else ""]  # None: named
         self.state = "function"  # -> "parameters" <-> "value" -> "close"; or "skip" (no call)
         self.properties: dict = {}
         self.num_parameters = 0
@@ -103,6 +107,18 @@ class Qwen3CoderCall:
         self.lead_checked = False  # the newline after <parameter=...> is dropped
 
     def parse(self, text: str, final: bool) -> tuple[int, list[Event], bool]:
+        used, events, ended = self._parse(text, final)
+        if self.raw is not None:
+            if any(kind == "name" for kind, _ in events):
+                self.raw = None
+            else:
+                self.raw.append(text[:used])
+                raw = "".join(self.raw)
+                if final and ended and not raw.endswith(TOOL_CALL_END):
+                    events.append(("text", raw))
+        return used, events, ended
+
+    def _parse(self, text: str, final: bool) -> tuple[int, list[Event], bool]:
         events: list[Event] = []
         pos = 0
         while True:
@@ -198,4 +214,4 @@ class Qwen3CoderToolParser(ToolParser):
     start_tags = ("<tool_call>", FUNCTION_START)
 
     def new_body(self, tag: str) -> Qwen3CoderCall:
-        return Qwen3CoderCall(self.schemas)
+        return Qwen3CoderCall(self.schemas, tag)

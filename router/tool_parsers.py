@@ -95,6 +95,7 @@ class ToolParser:
         self._content = TrimmedText()
         self._body: CallBody | None = None
         self._current: ToolCall | None = None  # the call being read, once named (None: dropped)
+        self._trimmed = ""  # the whitespace trimmed before the block being read
 
     def new_body(self, tag: str) -> CallBody:
         raise NotImplementedError
@@ -120,6 +121,7 @@ class ToolParser:
                 out.content += self._content.add(self._buf[:at])
                 if not self.trims_before_call:
                     out.content += self._content.flush()
+                self._trimmed = self._content.flush()  # content again if the block is no call
                 self._content.cut()
                 self._buf = self._buf[at + (len(tag) if tag == TOOL_CALL_START else 0) :]
                 self._body, self._current = self.new_body(tag), None
@@ -133,7 +135,9 @@ class ToolParser:
 
     def _emit(self, out: ToolParse, kind: str, value: str) -> None:
         if kind == "text":  # a block its format did not take as a call: content as written
-            out.content += self._content.add(value)
+            self._content.lstrip = False
+            out.content += self._content.add(self._trimmed + value)
+            self._trimmed = ""
         elif kind == "name":
             if self.parallel or not self.calls:
                 self._current = ToolCall(new_call_id(), value)
