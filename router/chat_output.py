@@ -119,11 +119,16 @@ class ChatOutputParser:
     """One choice's text -> reasoning, content and tool calls, a delta at a time."""
 
     def __init__(
-        self, reasoning: Qwen3ReasoningParser | None, tools: ToolParser | None, include_reasoning: bool = True
+        self,
+        reasoning: Qwen3ReasoningParser | None,
+        tools: ToolParser | None,
+        include_reasoning: bool = True,
+        named_function: bool = False,
     ) -> None:
         self.reasoning_parser = reasoning
         self.tool_parser = tools
         self.include_reasoning = include_reasoning
+        self.named_function = named_function  # tool_choice named the function: finishes as "stop"
         self.reasoning: list[str] = []
         self.content: list[str] = []
 
@@ -170,8 +175,10 @@ class ChatOutputParser:
         return message
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """A generation that stopped after tool calls finished for "tool_calls"."""
-        return "tool_calls" if reason == "stop" and self.calls else reason
+        """A generation that stopped after tool calls finished for "tool_calls", unless the request
+        named the function (`tool_choice: {"type": "function", ...}`): that one stays "stop", as
+        OpenAI and vLLM answer a call the client forced."""
+        return "tool_calls" if reason == "stop" and self.calls and not self.named_function else reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +191,7 @@ class OutputParsing:
     tool_parser: str | None = None  # None: tool calls are not parsed (no tools, tool_choice "none")
     tools: tuple[dict, ...] = ()
     parallel_tool_calls: bool = True
+    named_function: bool = False  # tool_choice named the function the answer must call
 
     @classmethod
     def for_request(
@@ -194,6 +202,7 @@ class OutputParsing:
         parse_tools: bool,
         parallel_tool_calls: bool,
         include_reasoning: bool,
+        named_function: bool = False,
     ) -> OutputParsing:
         return cls(
             reasoning_parser=config.reasoning_parser,
@@ -202,6 +211,7 @@ class OutputParsing:
             tool_parser=config.tool_call_parser if parse_tools else None,
             tools=tuple(tools or ()),
             parallel_tool_calls=parallel_tool_calls,
+            named_function=named_function and parse_tools,
         )
 
     @property
@@ -216,4 +226,4 @@ class OutputParsing:
             reasoning = REASONING_PARSERS[self.reasoning_parser](self.prompt_opened_thinking)
         if self.tool_parser is not None:
             tools = TOOL_PARSERS[self.tool_parser](list(self.tools), self.parallel_tool_calls)
-        return ChatOutputParser(reasoning, tools, self.include_reasoning)
+        return ChatOutputParser(reasoning, tools, self.include_reasoning, self.named_function)

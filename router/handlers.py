@@ -55,7 +55,7 @@ from router.prompt_chars import max_chars_per_token_async
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from router.request_fields import check_token_ids
 from router.responses import ChatFormat, CompletionFormat, ResponseFormat
-from router.tools import resolve_tools
+from router.tools import resolve_tools, tool_choice_kind
 
 MAX_CHOICES = 256  # prompts x n of one request (n=200 must work): a typo must not queue millions
 ENCODE_INLINE_CHARS = 2_000  # longer texts (~500+ tokens) are tokenized on a worker thread
@@ -148,8 +148,9 @@ class OpenAIRouter:
         self.fill_in(body)
         text, tools, parse_tools = self.chat_text(body)
         parallel = body.parallel_tool_calls is not False
+        named = tool_choice_kind(body.tool_choice, bool(tools)) == "named"
         parsing = OutputParsing.for_request(
-            self.chat_parsing, text, tools, parse_tools, parallel, body.include_reasoning
+            self.chat_parsing, text, tools, parse_tools, parallel, body.include_reasoning, named
         )
         if parsing.active and self.hidden_tags and "skip_special_tokens" not in body.model_fields_set:
             body.skip_special_tokens = False  # the parsers must see <think>, <tool_call>, ...
