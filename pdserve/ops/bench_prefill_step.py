@@ -53,16 +53,15 @@ def sync_sites(runner: ModelRunner, batch: ForwardBatch) -> collections.Counter:
         names = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in ours[-3:]]
         sites[" <- ".join(reversed(names))] += 1
 
-    shown, torch_mode = warnings.showwarning, torch.cuda.get_sync_debug_mode()
+    torch_mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning on the way out
             warnings.simplefilter("always")
             warnings.showwarning = record
             run_pass(runner, batch)
     finally:
         torch.cuda.set_sync_debug_mode(torch_mode)
-        warnings.showwarning = shown
     return sites
 
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.ops.per_pass import PerPass
+
 
 @triton.jit
 def _conv_prefill_kernel(
@@ -67,22 +69,12 @@ def _conv_history_kernel(
 
 
 PREFILL_TILE = dict(BT=32, BC=128, num_warps=4)  # tokens x channels a program (bench_prefill_tiles)
-_SEQ_KEPT = 4
-_seq_of: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a pass's cu_seqlens, each token's sequence)
-
-
-def _seq_of_token(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Each token's sequence index, made once a pass (every GDN layer of it passes the same
-    cu_seqlens: held here, so its identity is never reused while kept)."""
-    for kept, seq in _seq_of:
-        if kept is cu_seqlens and seq.shape[0] == num_tokens:
-            return seq
-    ends = cu_seqlens[1:].long()
-    _seq_of.append(
-        (cu_seqlens, torch.searchsorted(ends, torch.arange(num_tokens, device=ends.device), right=True))
+# each token's sequence index, made once a pass
+_seq_of_token = PerPass(
+    lambda cu_seqlens, num_tokens: torch.searchsorted(
+        cu_seqlens[1:].long(), torch.arange(num_tokens, device=cu_seqlens.device), right=True
     )
-    del _seq_of[:-_SEQ_KEPT]
-    return _seq_of[-1][1]
+)
 
 
 def causal_conv1d_prefill(

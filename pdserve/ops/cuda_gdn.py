@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from pdserve.ops.cuda_norms import l2_normalize
+from pdserve.ops.per_pass import PerPass
 
 _L2NORM_EPS = 1e-6
 _FLA_CHUNK_SIZES = (16, 32, 64)
@@ -72,20 +73,9 @@ def gdn_chunk_prefill(
     return out[0]
 
 
-_LONG_KEPT = 4  # fla's own identity cache holds its last 4 calls (FLA_TENSOR_CACHE_SIZE)
-_long_of: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a pass's int32 cu_seqlens, its int64 copy)
-
-
-def _as_long(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The int64 copy of a pass's cu_seqlens, made once for all the layers of the pass. A pass
-    that scans in pieces (`pdserve.model.mid_pass_saves`) alternates between a few cu_seqlens
-    every layer: each keeps its copy, so fla's host read of it (a device sync) stays once a pass."""
-    for kept, long in _long_of:
-        if kept is cu_seqlens:
-            return long
-    _long_of.append((cu_seqlens, cu_seqlens.long()))
-    del _long_of[:-_LONG_KEPT]
-    return _long_of[-1][1]
+# The int64 copy of a pass's cu_seqlens, made once for all the layers of the pass: fla reads it on
+# the host (a device sync) and caches that by identity, the last 4 calls (FLA_TENSOR_CACHE_SIZE).
+_as_long = PerPass(lambda cu_seqlens: cu_seqlens.long(), keep=4)
 
 
 @triton.jit
