@@ -170,3 +170,36 @@ def test_layer_ops_capture_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     for got, want in zip(captured, eager, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 32])
+def test_fused_gdn_decode_equals_the_four_ops(batch: int) -> None:
+    """One launch (conv + gates + step + gated norm) = the four CUDA ops composed, and the CPU
+    reference, over three bf16 steps at the Qwen3.6 shape; conv histories equal to the bit."""
+    from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step, gdn_decode_step_unfused
+
+    hk, dk, slots, dtype = 16, 128, 40, torch.bfloat16
+    channels = 2 * hk * dk + HV * DV
+    weight = torch.randn(channels, 4, device=DEVICE, dtype=dtype) * 0.5
+    A_log, dt_bias = torch.rand(HV, device=DEVICE) * 2.7, torch.randn(HV, device=DEVICE, dtype=dtype)
+    norm_w = (torch.rand(DV, device=DEVICE) + 0.5).to(dtype)
+    conv = torch.randn(slots, channels, 3, device=DEVICE, dtype=dtype)
+    state = torch.randn(slots, HV, dk, DV, device=DEVICE) * 0.3
+    ids = torch.randperm(slots, device=DEVICE)[:batch]
+    fused, unfused, cpu = (
+        GdnTensors(weight, conv.clone(), A_log, dt_bias, state.clone(), norm_w, 1e-6) for _ in range(3)
+    )
+    cpu = GdnTensors(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in cpu))
+    for _ in range(3):
+        x = torch.randn(batch, channels, device=DEVICE, dtype=dtype)
+        z = torch.randn(batch, HV, DV, device=DEVICE, dtype=dtype)
+        a, b = (torch.randn(batch, HV, device=DEVICE, dtype=dtype) * 4 for _ in range(2))
+        got = gdn_decode_step(x, z, a, b, fused, ids)
+        composed = gdn_decode_step_unfused(x, z, a, b, unfused, ids)
+        want = gdn_decode_step_unfused(*(t.cpu() for t in (x, z, a, b)), cpu, ids.cpu())
+        assert rel_err(got, composed) < 2e-3 and rel_err(got, want) < TOL[dtype]
+    assert torch.equal(fused.conv_pool, unfused.conv_pool) and torch.equal(
+        fused.conv_pool.cpu(), cpu.conv_pool
+    )
+    assert rel_err(fused.recurrent_pool, unfused.recurrent_pool) < 1e-5
+    assert rel_err(fused.recurrent_pool, cpu.recurrent_pool) < 1e-3

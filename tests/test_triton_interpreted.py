@@ -16,7 +16,9 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("check", ["align", "route", "conv", "moe", "norms", "gdn_step", "attention"])
+@pytest.mark.parametrize(
+    "check", ["align", "route", "conv", "moe", "norms", "gdn_step", "gdn_decode", "attention"]
+)
 def test_kernel_matches_reference_under_the_interpreter(check: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

@@ -45,6 +45,11 @@ def check_align(gen: torch.Generator) -> None:
         assert torch.equal(
             cuda_route.align_pairs(ids, E + 1, block_m), cuda_moe.pairs_by_sort(ids, E + 1, block_m)
         )
+    # every pair its own expert: one block each, the most the grid bound (`padded_rows`) allows
+    spread = torch.randperm(E + 1, generator=gen)[: (E + 1) // 2 * 2].view(-1, 2)
+    rows = cuda_route.align_pairs(spread, E + 1, 16)
+    assert torch.equal(rows, cuda_moe.pairs_by_sort(spread, E + 1, 16))
+    assert (rows.view(-1, 16)[:, 0] >= 0).sum() == spread.numel()
     cuda_route.MAX_ALIGN_PAIRS, cuda_route.ALIGN_CHUNK = 40, 32
     for tokens, block_m in [(9, 16), (23, 16), (23, 64)]:  # 45 and 115 pairs: 2 and 4 chunks
         ids = routed_ids(tokens, gen)
@@ -146,6 +151,35 @@ def check_gdn_step(gen: torch.Generator) -> None:
     torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
 
 
+def check_gdn_decode(gen: torch.Generator) -> None:
+    """The fused decode mixer (conv + gates + step + gated norm, one program a key head and its
+    value heads) = the four reference ops, over two steps; both pools updated alike."""
+    from pdserve.ops import cuda_gdn_decode
+    from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step_unfused
+
+    batch, k_heads, v_heads, dk, dv, width, slots = 3, 2, 4, 16, 32, 4, 5
+    channels = 2 * k_heads * dk + v_heads * dv
+    weight, ids = torch.randn(channels, width, generator=gen), torch.tensor([4, 0, 2])
+    A_log, dt_bias = torch.rand(v_heads, generator=gen) * 2.7, torch.randn(v_heads, generator=gen)
+    norm_w = torch.rand(dv, generator=gen) + 0.5
+    conv = torch.randn(slots, channels, width - 1, generator=gen)
+    state = torch.randn(slots, v_heads, dk, dv, generator=gen) * 0.3
+    got_conv, want_conv, got_state, want_state = conv.clone(), conv, state.clone(), state
+    for _ in range(2):
+        x = torch.randn(batch, channels, generator=gen)
+        z = torch.randn(batch, v_heads, dv, generator=gen)
+        a, b = (torch.randn(batch, v_heads, generator=gen) * 6 for _ in range(2))
+        got = cuda_gdn_decode.gdn_decode_step(
+            x, z, a, b, GdnTensors(weight, got_conv, A_log, dt_bias, got_state, norm_w, 1e-6), ids
+        )
+        want = gdn_decode_step_unfused(
+            x, z, a, b, GdnTensors(weight, want_conv, A_log, dt_bias, want_state, norm_w, 1e-6), ids
+        )
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_conv, want_conv)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+
+
 def check_attention(gen: torch.Generator) -> None:
     """q/k RMSNorm + partial rotary + KV store (no other slot written) and the output gate; paged
     decode attention (split over each sequence's own length) and the GQA-tiled prefill continuing
@@ -195,6 +229,7 @@ CHECKS = {
     "moe": check_moe,
     "norms": check_norms,
     "gdn_step": check_gdn_step,
+    "gdn_decode": check_gdn_decode,
     "attention": check_attention,
 }
 

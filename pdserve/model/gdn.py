@@ -10,6 +10,7 @@ from pdserve import ops
 from pdserve.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers import GatedRMSNorm
+from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step
 
 
 class GatedDeltaNet(nn.Module):
@@ -45,28 +46,27 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
         mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(self.split, dim=-1)
-        if batch.is_decode:
-            mixed_qkv = ops.causal_conv1d_step(
-                mixed_qkv, self.conv1d_weight, self.conv_pool, batch.state_slots
-            )
-        else:
-            if batch.saves is not None:  # before the conv moves the slots past the save points
-                batch.saves.save_conv(mixed_qkv, self.conv_pool)
-            mixed_qkv = ops.causal_conv1d_prefill(
-                mixed_qkv, self.conv1d_weight, batch.cu_seqlens, self.conv_pool, batch.state_slots
-            )
+        z = z.view(T, self.num_v_heads, self.head_v_dim)
+        if batch.is_decode:  # conv, gates, step and norm: one launch on CUDA
+            tensors = GdnTensors(self.conv1d_weight, self.conv_pool, self.A_log, self.dt_bias,
+                                 self.recurrent_pool, self.norm.weight, self.norm.eps)  # fmt: skip
+            o = gdn_decode_step(mixed_qkv, z, a, b, tensors, batch.state_slots)
+            return F.linear(o, self.out_proj)
+        if batch.saves is not None:  # before the conv moves the slots past the save points
+            batch.saves.save_conv(mixed_qkv, self.conv_pool)
+        mixed_qkv = ops.causal_conv1d_prefill(
+            mixed_qkv, self.conv1d_weight, batch.cu_seqlens, self.conv_pool, batch.state_slots
+        )
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
         g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
-        if batch.is_decode:
-            o = ops.gdn_recurrent_step(q, k, v, g, beta, self.recurrent_pool, batch.state_slots)
-        elif batch.saves is not None:
+        if batch.saves is not None:
             o = batch.saves.scan(q, k, v, g, beta, self.recurrent_pool)
         else:
             o = ops.gdn_chunk_prefill(
                 q, k, v, g, beta, batch.cu_seqlens, self.recurrent_pool, batch.state_slots
             )
-        o = self.norm(o, z.view(T, self.num_v_heads, self.head_v_dim))
+        o = self.norm(o, z)
         return F.linear(o, self.out_proj)

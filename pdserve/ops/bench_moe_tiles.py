@@ -6,6 +6,7 @@ kernel is compute-bound (T x 8 x 3 x 2048 x 512 x 2 FLOPs). Each candidate tile 
 BLOCK_N, BLOCK_K, warps, stages) runs both GEMMs of the block at the Qwen3.6 shape, CUDA-event
 median (`triton.testing.do_bench`), checked against the default tiles' output; torch's
 `_grouped_mm` is timed beside them. Prints, per T, each tile's time and TFLOP/s, the best first.
+T <= 64 (`python -m pdserve.ops.bench_moe_tiles 4 16 32`): decode's tiles, each GEMM's swept apart.
 """
 
 from __future__ import annotations
@@ -27,6 +28,46 @@ TILES = [
         (64, 128, 128, 8, 3),
     ]
 ]
+
+
+# decode steps (4-64 tokens: one or two rows an expert): BLOCK_M 16, weight-read bound; each GEMM's
+# tile swept with the other's at its default
+DECODE_TILES = [
+    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+    for n, k, w, s in [
+        *itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4)),
+        (64, 128, 2, 3), (64, 128, 8, 3), (32, 256, 2, 4), (128, 128, 8, 4),
+    ]
+]  # fmt: skip
+
+
+def sweep_decode(tokens: int) -> None:
+    """Gate/up tiles (down at its default), then down tiles (gate/up at its default), at T tokens."""
+    torch.manual_seed(tokens)
+    w13, w2 = rand(E + 1, 2 * INTER, HIDDEN) * 0.02, rand(E + 1, HIDDEN, INTER) * 0.04
+    x = rand(tokens, HIDDEN)
+    weights, ids = torch.randn(tokens, E, device="cuda").softmax(-1).topk(TOPK, dim=-1)
+    ids = torch.cat([ids, torch.full((tokens, 1), E, device="cuda")], dim=1)  # the shared expert
+    weights = torch.cat([weights, torch.full((tokens, 1), 0.5, device="cuda")], dim=1).to(torch.bfloat16)
+    default = cuda_moe._block_config(tokens * (TOPK + 1), E + 1)
+    want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, reduce=False)
+    scale = want.float().abs().max().item()
+    for role in ("gate_up", "down"):
+        rows = []
+        for cfg in [default, *DECODE_TILES]:
+            kw = {"cfg": cfg} if role == "gate_up" else {"cfg": default, "cfg_down": cfg}
+            run = lambda kw=kw: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, reduce=False, **kw)  # noqa: E731
+            try:
+                err = (run().float() - want.float()).abs().max().item() / scale
+                ms = do_bench(run, rep=50)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
+                print(f"  T={tokens} {role} {_name(cfg)}: {type(e).__name__}")
+                continue
+            rows.append((ms, f"{_name(cfg)}{' (default)' if cfg is default else ''}  err {err:.1e}"))
+        rows.sort()
+        print(f"\nT={tokens} decode, {role} tile swept (both GEMMs + alignment timed):")
+        for ms, name in rows[:8]:
+            print(f"  {ms * 1e3:9.1f} us  {name}")
 
 
 def sweep(tokens: int) -> list[tuple[float, str]]:
@@ -69,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokens", nargs="*", type=int, default=[1024, 4096, 8192, 16384])
     for tokens in parser.parse_args().tokens:
-        sweep(tokens)
+        sweep_decode(tokens) if tokens <= 64 else sweep(tokens)
 
 
 if __name__ == "__main__":

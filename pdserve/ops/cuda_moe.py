@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.ops.cuda_route import align_pairs
+from pdserve.ops.cuda_route import align_pairs, padded_rows
 
 
 @triton.jit
@@ -89,10 +89,10 @@ def _block_config(num_pairs: int, num_experts: int) -> dict[str, int]:
 
 
 def pairs_by_sort(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
-    """topk_ids [T, K] -> pair index of each padded row, -1 for padding [(ceil(T*K / block_m) + E) *
-    block_m]: expert e's pairs fill ceil(count_e / block_m) blocks in pair order. By a stable device
-    sort in torch: the reference of `align_pairs` (which the kernels use: ~20 launches and ~1 ms of
-    host time a layer fewer at 8,192 tokens)."""
+    """topk_ids [T, K] -> pair index of each padded row, -1 for padding [padded_rows(T*K, E, block_m)]:
+    expert e's pairs fill ceil(count_e / block_m) blocks in pair order. By a stable device sort in
+    torch: the reference of `align_pairs` (which the kernels use: ~20 launches and ~1 ms of host time
+    a layer fewer at 8,192 tokens)."""
     flat = topk_ids.flatten()
     num_pairs = flat.shape[0]
     device = flat.device
@@ -103,7 +103,7 @@ def pairs_by_sort(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tor
     sorted_experts = flat[order]
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
     position = (padded.cumsum(0) - padded)[sorted_experts] + rank
-    num_rows = (triton.cdiv(num_pairs, block_m) + num_experts) * block_m
+    num_rows = padded_rows(num_pairs, num_experts, block_m)
     pair_of_row = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     return pair_of_row.scatter_(0, position, order)
 
@@ -116,15 +116,20 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     reduce: bool = True,
     cfg: dict[str, int] | None = None,
+    cfg_down: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, K] -> [T, H] in x's dtype
-    (reduce=False: the weighted rows of each pair, [T, K, H]). `cfg`: tile sizes other than
-    `_block_config`'s (pdserve.ops.bench_moe_tiles sweeps them)."""
+    (reduce=False: the weighted rows of each pair, [T, K, H]). `cfg`, `cfg_down`: tile sizes of the
+    gate/up and the down GEMM other than `_block_config`'s (pdserve.ops.bench_moe_tiles sweeps them;
+    cfg_down defaults to cfg and must keep its BLOCK_M: both GEMMs read one row layout)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     cfg = cfg or _block_config(num_tokens * top_k, num_experts)
+    cfg_down = cfg_down or cfg
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if cfg_down["BLOCK_M"] != block_m:
+        raise ValueError(f"fused_moe_triton: cfg_down BLOCK_M {cfg_down['BLOCK_M']} != cfg's {block_m}")
     pair_of_row = align_pairs(topk_ids, num_experts, block_m)
     num_blocks = pair_of_row.shape[0] // block_m
     x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), topk_ids.contiguous()
@@ -137,10 +142,10 @@ def fused_moe_triton(
         GATE_UP=True, IEEE=ieee, **cfg,
     )  # fmt: skip
     per_pair = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+    _moe_gemm_kernel[(num_blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))](
         hidden_act, w2, per_pair, pair_of_row, ids, weights,
         hidden, inter, hidden_act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), top_k,
-        GATE_UP=False, IEEE=ieee, **cfg,
+        GATE_UP=False, IEEE=ieee, **cfg_down,
     )  # fmt: skip
     per_pair = per_pair.view(num_tokens, top_k, hidden)
     return per_pair.sum(dim=1, dtype=torch.float32).to(x.dtype) if reduce else per_pair

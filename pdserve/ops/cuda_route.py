@@ -154,12 +154,19 @@ def _chunk_scatter_kernel(
     tl.store(pair_of_row_ptr + rows, (c * CHUNK + keys % CHUNK).to(tl.int64), mask=in_expert)
 
 
+def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows that hold any routing of `num_pairs` pairs, each expert's padded to whole blocks: at most
+    one partial block per expert that has a pair, so ceil(P / block_m) + min(E, P) blocks. The bound
+    sets the MoE GEMMs' grids: a decode step of 4 tokens (36 pairs) launches 39 row blocks, not 260."""
+    return (triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)) * block_m
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
     """topk_ids [T, K] -> the pair index of each padded row, -1 for padding: int64
-    [(ceil(T*K / block_m) + num_experts) * block_m]. Sizes depend only on the shapes: no sync."""
+    [padded_rows(T*K, num_experts, block_m)]. Sizes depend only on the shapes: no sync."""
     flat = topk_ids.flatten()
     num_pairs = flat.shape[0]
-    num_rows = (triton.cdiv(num_pairs, block_m) + num_experts) * block_m
+    num_rows = padded_rows(num_pairs, num_experts, block_m)
     pair_of_row = torch.empty(num_rows, dtype=torch.int64, device=flat.device)
     e_pad = triton.next_power_of_2(num_experts + 1)
     if num_pairs > MAX_ALIGN_PAIRS:
