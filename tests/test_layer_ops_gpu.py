@@ -174,9 +174,11 @@ def test_layer_ops_capture_in_a_cuda_graph() -> None:
 
 @pytest.mark.parametrize("batch", [1, 4, 32])
 def test_fused_gdn_decode_equals_the_four_ops(batch: int) -> None:
-    """One launch (conv + gates + step + gated norm) = the four CUDA ops composed, and the CPU
-    reference, over three bf16 steps at the Qwen3.6 shape; conv histories equal to the bit."""
-    from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step, gdn_decode_step_unfused
+    """The fused decode mixer (conv, then gates + step + gated norm in one launch) = the four CUDA
+    ops composed, and the CPU reference, over three bf16 steps at the Qwen3.6 shape, at batch sizes
+    on both sides of FUSED_MAX_BATCH; conv histories equal to the bit."""
+    from pdserve.ops import cuda_gdn_decode
+    from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step_unfused
 
     hk, dk, slots, dtype = 16, 128, 40, torch.bfloat16
     channels = 2 * hk * dk + HV * DV
@@ -194,7 +196,7 @@ def test_fused_gdn_decode_equals_the_four_ops(batch: int) -> None:
         x = torch.randn(batch, channels, device=DEVICE, dtype=dtype)
         z = torch.randn(batch, HV, DV, device=DEVICE, dtype=dtype)
         a, b = (torch.randn(batch, HV, device=DEVICE, dtype=dtype) * 4 for _ in range(2))
-        got = gdn_decode_step(x, z, a, b, fused, ids)
+        got = cuda_gdn_decode.gdn_decode_step(x, z, a, b, fused, ids)
         composed = gdn_decode_step_unfused(x, z, a, b, unfused, ids)
         want = gdn_decode_step_unfused(*(t.cpu() for t in (x, z, a, b)), cpu, ids.cpu())
         assert rel_err(got, composed) < 2e-3 and rel_err(got, want) < TOL[dtype]

@@ -152,8 +152,8 @@ def check_gdn_step(gen: torch.Generator) -> None:
 
 
 def check_gdn_decode(gen: torch.Generator) -> None:
-    """The fused decode mixer (conv + gates + step + gated norm, one program a key head and its
-    value heads) = the four reference ops, over two steps; both pools updated alike."""
+    """The fused decode mixer (the conv step, then gates + step + gated norm in one program a value
+    head) = the four reference ops, over two steps; both pools updated alike."""
     from pdserve.ops import cuda_gdn_decode
     from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step_unfused
 

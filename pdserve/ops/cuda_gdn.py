@@ -131,13 +131,19 @@ def _gdn_step_kernel(
 
     slot = tl.load(slot_ptr + b).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
-    s_mask = mask_k[:, None] & mask_v[None, :]
+    out = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, decay, beta)
+    tl.store(o_ptr + b * stride_ob + hv * stride_oh + offs_v, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
+def delta_rule_step(s_ptrs, s_mask, q, k, v, decay, beta):
+    """The [DK, BV] state tile at s_ptrs decayed, delta-updated by (k, v) and written back; -> q's
+    read-out [BV] (fp32). q, k [DK] l2-normed (q scaled); v [BV]; decay, beta scalars."""
     state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * decay
     written = beta * (v - tl.sum(state * k[:, None], axis=0))
     state = state + k[:, None] * written[None, :]
-    out = tl.sum(state * q[:, None], axis=0)
-    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
-    tl.store(o_ptr + b * stride_ob + hv * stride_oh + offs_v, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+    tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_mask)
+    return tl.sum(state * q[:, None], axis=0)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

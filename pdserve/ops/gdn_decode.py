@@ -1,6 +1,7 @@
 """A Gated DeltaNet layer's decode token between its two GEMMs, as one op: conv step, gates,
-delta-rule step and gated norm. On CUDA one fused launch (`pdserve.ops.cuda_gdn_decode`); elsewhere,
-and as its reference, the four ops composed (`gdn_decode_step_unfused`).
+delta-rule step and gated norm. On CUDA, up to FUSED_MAX_BATCH sequences, two launches
+(`pdserve.ops.cuda_gdn_decode`); above that, elsewhere, and as its reference, the four ops composed
+(`gdn_decode_step_unfused`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ import torch
 
 from pdserve import ops
 from pdserve.ops.shapes import Shapes
+
+# The fused kernel's program holds a whole [Dk, Dv] state tile (8 warps): it wins at 4 sequences and
+# loses from 16 on, where the unfused step's half tiles keep twice the programs in flight (bench_step,
+# H200: GDN mixer 0.36 -> 0.27 ms a step at c=4; 1.35 -> 1.85 ms at c=32)
+FUSED_MAX_BATCH = 8
 
 
 class GdnTensors(NamedTuple):
@@ -60,7 +66,7 @@ def gdn_decode_step(
             f"gdn_decode_step: {sizes['C']} channels do not split into q | k of Dk={sizes['Dk']} heads "
             f"and v of {sizes['Hv']} x {sizes['Dv']}, with the value heads a multiple of the key heads"
         )
-    if mixed_qkv.is_cuda:
+    if mixed_qkv.is_cuda and sizes["B"] <= FUSED_MAX_BATCH:
         from pdserve.ops import cuda_gdn_decode
 
         return cuda_gdn_decode.gdn_decode_step(mixed_qkv, z, a, b, layer, slot_ids)
