@@ -16,14 +16,17 @@ Lifecycle:
               http://HOST:P/health until it answers 200 with the prefill and decode instances
               live (a child dying here fails the start)
   6. serve    print the URL; a child that dies is restarted with backoff (pdserve.supervisor),
-              the private Redis on its port
+              the private Redis on its port; a service alive but hung (no heartbeat in Redis
+              for --heartbeat-timeout, 10 s; for --startup-timeout after a restart, while it
+              loads) is SIGKILLed and restarted the same way (pdserve.hang_watch)
   7. stop     on SIGINT/SIGTERM: the router (SIGTERM; it drains for --shutdown-timeout, then
               ends open streams with an error event), then the services, then Redis; SIGKILL
               for those that outstay their time
 
 Children run in their own process groups (a terminal's Ctrl-C reaches only the launcher) and
 die with the launcher, even when it is SIGKILLed (pdserve.supervisor); pdserve.up_stack holds
-and stops them.
+and stops them. The folders a SIGKILLed launcher leaves in the temp folder (its own, its
+Redis's) are removed by the next one (pdserve.private_dirs).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pathlib import Path
 
 from pdserve import layout
 from pdserve.cli_args import add_engine_arguments, engine_argv, engine_config_from_args, resolve_device
+from pdserve.hang_watch import TTL_S
 from pdserve.model_config import ModelConfig
 from pdserve.supervisor import Child, say
 from pdserve.up_stack import Stack, StartupError, health
@@ -153,6 +157,15 @@ def start(args: argparse.Namespace, stack: Stack, stopping: threading.Event) -> 
 
 
 # ---- `pdserve up` (registered in pdserve/cli.py)
+def heartbeat_timeout(text: str) -> float:
+    """--heartbeat-timeout: 0 (never), or at least the heartbeat's TTL, after which routers have
+    dropped the service already (a shorter one would kill a service they still send work to)."""
+    seconds = float(text)
+    if seconds != 0 and not seconds >= TTL_S:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least {TTL_S:g} (the heartbeat TTL)")
+    return seconds
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     add_engine_arguments(parser, host="127.0.0.1", port=8000, model_required=False)
@@ -170,7 +183,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", help="one API key; `ps` shows it: prefer $PDSERVE_API_KEY")
     parser.add_argument(
-        "--startup-timeout", type=float, default=600.0, help="seconds to wait for the stack (default 600)"
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait for the stack; also what a restarted service has for its first "
+        "heartbeat (loading, warm-up) before it counts as hung (default 600)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=heartbeat_timeout,
+        default=10.0,
+        metavar="S",
+        help="kill (SIGKILL) and restart a service that runs but has sent no heartbeat for S "
+        f"seconds (stopped, deadlocked); at least {TTL_S:g}, 0: never (default 10)",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -197,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     stack = Stack()
     try:
         url = start(args, stack, stopping)
+        stack.watch_heartbeats(args.heartbeat_timeout, args.startup_timeout)
         print(f"pdserve is up: {url}/v1 (health {url}/health); Ctrl-C stops it", flush=True)
         while not stopping.wait(0.5):
             fatal = stack.supervise()

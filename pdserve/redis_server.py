@@ -1,5 +1,6 @@
 """`RedisServer`: a private `redis-server` for `pdserve up` (when no Redis URL is given) and the
-tests: no persistence, a free loopback port, a temp folder, optionally a password.
+tests: no persistence, a free loopback port, a temp folder naming its owner (pdserve.private_dirs),
+optionally a password.
 
 The password reaches redis-server through its stdin (`redis-server -` reads its config there),
 never through its command line, so `ps` cannot show it; `url` never contains it either: give
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import redis
 
+from pdserve.private_dirs import make_private_dir
 from pdserve.rpc import free_port
 
 
@@ -59,7 +60,7 @@ class RedisServer:
         """Start the server and wait until it answers PING; raises RuntimeError when it does not."""
         if shutil.which(self.binary) is None:
             raise RuntimeError(f"{self.binary} not found (apt-get install redis-server)")
-        self._dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+        self._dir = make_private_dir("pdserve-redis-")  # a dead owner's: removed by `pdserve up`
         config = "" if self.password is None else f"requirepass {_config_string(self.password)}\n"
         for _attempt in range(3):  # the free port can be taken before redis binds it: retry
             self.port = self._fixed_port or free_port(self.host)

@@ -55,6 +55,14 @@ from pdserve.redis_server import RedisServer as RedisServer  # re-exported: its 
 log = logging.getLogger("pdserve.registry")
 REDIS_CONNECTIONS = 32  # per registry client; calls beyond wait for one (at most 2 s)
 ROLES = ("prefill", "decode")
+NAMESPACE = "pdserve"
+HEARTBEAT_S = 1.0  # a service refreshes its instance key this often (ServiceConfig.heartbeat_s)
+HEARTBEAT_TTL_BEATS = 3  # ... with a TTL of this many beats: a hung one drops out after 3 s
+
+
+def instance_key(role: str, instance_id: str, namespace: str = NAMESPACE) -> str:
+    """The Redis key of one instance's entry (its heartbeat)."""
+    return f"{namespace}:instance:{role}:{instance_id}"
 
 
 @dataclass(slots=True)
@@ -103,7 +111,7 @@ class InstanceRegistry:
     def __init__(
         self,
         redis_url: str,
-        namespace: str = "pdserve",
+        namespace: str = NAMESPACE,
         secret: SecretArg = FROM_ENV,
         password: str | None = None,
     ) -> None:
@@ -144,7 +152,7 @@ class InstanceRegistry:
         return value
 
     def _instance_key(self, role: str, instance_id: str) -> str:
-        return f"{self.namespace}:instance:{role}:{instance_id}"
+        return instance_key(role, instance_id, self.namespace)
 
     def _prefix_key(self, block_hash: str) -> str:
         return f"{self.namespace}:prefix:{block_hash}"

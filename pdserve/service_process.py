@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 
 from pdserve.prefix_publishing import PrefixPublisher
-from pdserve.registry import InstanceInfo
+from pdserve.registry import HEARTBEAT_TTL_BEATS, InstanceInfo
 from pdserve.rpc import RpcServer, join_host_port
 from pdserve.serving import EngineHost, ServiceConfig, service_config_from_args, start_logging
 
@@ -58,8 +58,9 @@ def stop_on_signals() -> asyncio.Event:
 
 
 class Registration:
-    """Each role's entry in Redis, kept alive by a heartbeat (TTL 3 beats), and the prefix keys
-    the host holds, published beside them. Nothing is done without a registry."""
+    """Each role's entry in Redis, kept alive by a heartbeat (TTL 3 beats: routers drop a hung
+    instance, `pdserve up` restarts it, pdserve.hang_watch), and the prefix keys the host holds,
+    published beside them. Nothing is done without a registry."""
 
     def __init__(self, config: ServiceConfig, host: EngineHost, addresses: dict[str, str]) -> None:
         self.config, self.host, self.addresses = config, host, addresses
@@ -80,7 +81,7 @@ class Registration:
     async def start(self) -> None:
         if self.registry is None:
             return
-        beat, ttl = self.config.heartbeat_s, 3 * self.config.heartbeat_s
+        beat, ttl = self.config.heartbeat_s, HEARTBEAT_TTL_BEATS * self.config.heartbeat_s
         for role in self.addresses:
             await self.registry.register(self.info(role), ttl_s=ttl)
             beats = self.registry.heartbeat_forever(partial(self.info, role), interval_s=beat, ttl_s=ttl)

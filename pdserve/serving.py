@@ -30,7 +30,7 @@ from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.warmup import warm_up
 from pdserve.ops import compile_watch
-from pdserve.registry import InstanceRegistry
+from pdserve.registry import HEARTBEAT_S, InstanceRegistry
 from pdserve.serving_stats import STATS_INTERVAL_S, ServingStats
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class ServiceConfig:
     port: int = 0  # the prefill server's port; a decode server (of a two-role engine) takes port + 1
     advertise_host: str | None = None
     redis_url: str | None = None
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = HEARTBEAT_S  # `pdserve up` judges hung services by this beat
     # on SIGTERM, after deregistering: how long open calls (decode streams) may go on
     shutdown_timeout_s: float = 30.0
     # prefill: a held request's memory is freed after this long if nobody pulled it

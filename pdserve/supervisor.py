@@ -5,6 +5,8 @@
                                            # with its last output and started again after
                                            # 1 s, 2 s, 4 s ... 30 s (back to 1 s once it ran
                                            # HEALTHY_RUN_S before dying)
+    child.kill_hung(why, now)              # alive but not working (pdserve.hang_watch says
+                                           # so): SIGKILL, one line, restarted as a dead one
     stop_children([router], grace_s=30)    # SIGTERM, then SIGKILL after the grace period
 
 Every child runs in its own process group (a terminal's Ctrl-C reaches only the supervisor,
@@ -31,8 +33,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.private_dirs import process_start_time
+
 PR_SET_PDEATHSIG = 1
 HEALTHY_RUN_S = 60.0  # a child that ran this long before dying restarts after first_s again
+KILL_WAIT_S = 5.0  # how long kill_hung waits for the child to be gone
 _libc_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
@@ -87,11 +92,7 @@ def die_with_parent_wrapper(binary: str, folder: Path) -> str:
 
 def is_running(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (Linux: /proc/PID/stat)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+    return process_start_time(pid) is not None
 
 
 @dataclass(slots=True)
@@ -176,11 +177,26 @@ class Child:
             delay = self.backoff.after_exit(now - self.started_at)
             self.restart_at = now + delay
             say(f"{failure}\n  restarting {self.name} in {delay:g}s")
-        elif now >= self.restart_at:
+        elif now >= self.restart_at and self.proc.poll() is not None:
             self.restarts += 1
             self.restart_at = None
             self.proc = self._spawn()
             say(f"restarted {self.name} (pid {self.pid}, restart {self.restarts})")
+
+    def kill_hung(self, why: str, now: float) -> None:
+        """Kill a child that runs but does not work (`why`: what shows it), its process group with
+        it, and schedule its restart as for a dead one (after its backoff)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(KILL_WAIT_S)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a driver): started again once gone
+            say(f"{self.name} (pid {self.pid}) outlived SIGKILL for {KILL_WAIT_S:g}s; waiting for it to go")
+        delay = self.backoff.after_exit(now - self.started_at)
+        self.restart_at = now + delay
+        say(f"{self.name} (pid {self.pid}) is hung: {why}; killed it (SIGKILL), restarting it in {delay:g}s")
 
     def terminate(self) -> None:
         if self.proc.poll() is None:

@@ -1,6 +1,8 @@
 """The children of one `pdserve up` (pdserve.launcher): its private folder and secrets, the
-private Redis, the service processes and the router, supervised (restarted with backoff) and
-stopped in order (router, services, Redis)."""
+private Redis, the service processes and the router, supervised (a dead one restarted with
+backoff, a hung service killed and restarted: pdserve.hang_watch) and stopped in order (router,
+services, Redis). The private folders of `pdserve up`s that died without cleaning up (SIGKILL)
+are removed at the start (pdserve.private_dirs)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ import json
 import os
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
+from pdserve.hang_watch import HeartbeatWatch
+from pdserve.internal_auth import load_redis_password
+from pdserve.private_dirs import make_private_dir, remove_orphaned_dirs
 from pdserve.registry import RedisServer
 from pdserve.supervisor import Child, die_with_parent_wrapper, is_running, say, stop_children
 
@@ -51,12 +54,15 @@ class Stack:
     """The children of one `pdserve up` (and the private folder of its secret), supervised."""
 
     def __init__(self) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="pdserve-up-"))  # mode 0700
+        for folder in remove_orphaned_dirs():
+            say(f"removed {folder}: left behind by a process that is gone")
+        self.folder = make_private_dir("pdserve-up-")  # mode 0700
         self.env: dict[str, str] = {}  # the secrets' variables, for every child
         self.redis: RedisServer | None = None  # the private one
         self.redis_url = ""
         self.services: list[Child] = []
         self.router: Child | None = None
+        self.watch: HeartbeatWatch | None = None  # the services' heartbeats, once the stack is up
 
     @property
     def children(self) -> list[Child]:
@@ -86,14 +92,24 @@ class Stack:
         if password is not None:
             self.env["PDSERVE_REDIS_PASSWORD"] = password
 
+    def watch_heartbeats(self, timeout_s: float, start_grace_s: float) -> None:
+        """From now on `supervise` kills and restarts a service whose heartbeat stays away for
+        `timeout_s` (`start_grace_s` for the first beat after a restart); 0: never."""
+        if timeout_s > 0:
+            password = self.env.get("PDSERVE_REDIS_PASSWORD") or load_redis_password()
+            self.watch = HeartbeatWatch(self.redis_url, password, timeout_s, start_grace_s)
+
     def failure(self) -> str | None:
         return next((f for f in (c.failure() for c in self.children) if f), None)
 
     def supervise(self) -> str | None:
-        """Restart dead children (with backoff); a message when the stack cannot go on."""
+        """Restart dead children (with backoff), kill hung services (restarted in turn); a message
+        when the stack cannot go on."""
         now = time.monotonic()
         for child in self.children:
             child.poll_restart(now)
+        for child, why in self.watch.hung(self.services, now) if self.watch else []:
+            child.kill_hung(why, now)
         if self.redis is not None and not is_running(self.redis.pid or 0):
             say("the private redis-server died: starting it again on its port")
             try:
@@ -113,4 +129,6 @@ class Stack:
         if self.redis is not None:
             say("stopping redis")
             self.redis.stop()
+        if self.watch is not None:
+            self.watch.close()
         shutil.rmtree(self.folder, ignore_errors=True)

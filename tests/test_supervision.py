@@ -1,22 +1,35 @@
 """`pdserve up` supervises its children: a dead child is restarted with backoff and serves
-again; SIGKILL of the launcher leaves no child alive; Ctrl-C (SIGINT to the terminal's
-process group) stops the router first and Redis last; no secret is on any command line."""
+again; SIGKILL of the launcher leaves no child alive, and the folders it leaves (its own, its
+Redis's) are removed by the next `pdserve up`; Ctrl-C (SIGINT to the terminal's process group)
+stops the router first and Redis last; no secret is on any command line. (A hung child:
+tests/test_hang_watch.py.)"""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
+from pdserve.private_dirs import process_start_time
 from pdserve.supervisor import Backoff, Child, is_running
-from tests.up_process import UpProcess, cmdline, descendants, environ
+from tests.up_process import (
+    UpProcess,
+    chat,
+    cmdline,
+    descendants,
+    environ,
+    no_leftover_children,
+    serves_within,
+    wait_gone,
+)
 
 
 def test_backoff_doubles_up_to_its_cap_and_resets_after_a_healthy_run() -> None:
@@ -41,35 +54,6 @@ def test_a_crashing_child_is_restarted_after_its_backoff_with_its_output_logged(
     child.poll_restart(time.monotonic())
     assert child.pid != first and child.restarts == 1
     child.wait_or_kill(time.monotonic() + 10)
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(is_running(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if is_running(p)]
-
-
-def chat(url: str) -> str:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
-    reply = client.chat.completions.create(
-        model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": "Hello!"}],
-        max_tokens=4,
-        temperature=0,
-    )
-    return reply.choices[0].finish_reason
-
-
-def serves_within(url: str, seconds: float, log: UpProcess) -> str:
-    """The finish reason of the first chat request that succeeds within `seconds`."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return chat(url)
-        except openai.APIError:
-            assert time.monotonic() < deadline, log.output()
-            time.sleep(0.5)
 
 
 def test_a_killed_decode_child_and_redis_are_restarted_and_serve_again(tmp_path, tiny_model_dir) -> None:
@@ -102,14 +86,15 @@ FILE_KEY, ENV_KEY = "s3cret-file-key", "s3cret-env-key"
 
 @pytest.fixture(scope="module")
 def keyed_up(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[UpProcess]:
-    """`pdserve up` with an API key file and a key in its environment, started once for the two
-    tests below: the first looks at its processes, the second SIGKILLs it."""
+    """`pdserve up` with an API key file and a key in its environment (and a temp folder of its
+    own: $TMPDIR), started once for the two tests below: the first looks at its processes, the
+    second SIGKILLs it."""
     tmp_path = tmp_path_factory.mktemp("keyed-up")
     key_file = tmp_path / "api-keys"
     key_file.write_text(f"{FILE_KEY} 4\n")
-    up = UpProcess(
-        tmp_path, "--api-key-file", str(key_file), model=tiny_model_dir, env={"PDSERVE_API_KEY": ENV_KEY}
-    )
+    (tmp_path / "temp").mkdir()
+    env = {"PDSERVE_API_KEY": ENV_KEY, "TMPDIR": str(tmp_path / "temp")}
+    up = UpProcess(tmp_path, "--api-key-file", str(key_file), model=tiny_model_dir, env=env)
     up.start()
     try:
         yield up
@@ -146,8 +131,11 @@ def test_no_secret_or_password_is_on_any_command_line(keyed_up: UpProcess) -> No
         assert got.status_code == status, key
 
 
-def test_sigkill_of_pdserve_up_leaves_no_child_alive(keyed_up: UpProcess) -> None:
-    """Ends the module's `keyed_up` (after the test above)."""
+def test_sigkill_of_pdserve_up_leaves_no_child_alive_and_the_next_removes_its_folders(
+    keyed_up: UpProcess, tmp_path
+) -> None:
+    """Ends the module's `keyed_up` (after the test above). The next `pdserve up` (one that fails
+    at once: no model) removes the dead one's folders, not those of a live owner or of none."""
     up = keyed_up
     children = up.children()
     assert set(children) == {"redis", "router", "prefill-0", "decode-0"}, children
@@ -158,6 +146,19 @@ def test_sigkill_of_pdserve_up_leaves_no_child_alive(keyed_up: UpProcess) -> Non
     for pid in alive:  # do not leave them behind for the next test
         os.kill(pid, signal.SIGKILL)
     assert not alive, {pid: cmdline(pid) for pid in alive}
+
+    temp = Path(up.env["TMPDIR"])
+    left = sorted(p.name.rpartition("-")[0] for p in temp.glob("pdserve-*"))
+    assert left == ["pdserve-redis", "pdserve-up"], left  # SIGKILL: nobody cleaned up
+    live, unowned = temp / "pdserve-up-live", temp / "pdserve-redis-unowned"
+    live.mkdir()
+    (live / "owner").write_text(f"{os.getpid()} {process_start_time(os.getpid())}\n")
+    unowned.mkdir()
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--device", "cpu", "--model", str(tmp_path / "none")]
+    done = subprocess.run(argv, env=up.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert sorted(temp.glob("pdserve-*")) == [unowned, live], done.stderr
+    assert done.stderr.count("left behind by a process that is gone") == 2, done.stderr
 
 
 def test_ctrl_c_drains_the_router_first_and_stops_redis_last(tmp_path, tiny_model_dir) -> None:
@@ -199,9 +200,6 @@ def test_ctrl_c_drains_the_router_first_and_stops_redis_last(tmp_path, tiny_mode
 
 
 @pytest.fixture(autouse=True)
-def _no_leftovers():
-    """A failed test must not leave children serving (they would slow every later test)."""
-    before = set(descendants(os.getpid()))
-    yield
-    for pid in set(descendants(os.getpid())) - before:
-        os.kill(pid, signal.SIGKILL)
+def _no_leftovers() -> Iterator[None]:
+    with no_leftover_children():
+        yield

@@ -1,15 +1,21 @@
 """`pdserve up` as a test runs it: a process in a session of its own (as a terminal's job),
-its output gathered, and its descendants found through /proc."""
+its output gathered, and its descendants found through /proc; a chat request through the
+official client; the children a failed test left, killed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import openai
 
 from pdserve.rpc import free_port
 from pdserve.supervisor import is_running
@@ -37,6 +43,27 @@ def descendants(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+@contextlib.contextmanager
+def no_leftover_children() -> Iterator[None]:
+    """Kill (SIGKILL) the processes started below this one in the block that still run after it:
+    a failed test must not leave children serving (they would slow every later test)."""
+    before = set(descendants(os.getpid()))
+    try:
+        yield
+    finally:
+        for pid in set(descendants(os.getpid())) - before:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Those of `pids` still running after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(is_running(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if is_running(p)]
 
 
 def cmdline(pid: int) -> str:
@@ -136,3 +163,26 @@ class UpProcess:
             os.killpg(self.proc.pid, 9)
             self.proc.wait()
             raise AssertionError(f"pdserve up did not stop in {timeout:.0f}s:\n{self.output()}") from None
+
+
+def chat(url: str, timeout: float = 30.0) -> str:
+    """The finish reason of a 4-token greedy chat request (openai.APIError when it fails)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=timeout)
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Hello!"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    return reply.choices[0].finish_reason
+
+
+def serves_within(url: str, seconds: float, log: UpProcess) -> str:
+    """The finish reason of the first chat request that succeeds within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return chat(url)
+        except openai.APIError:
+            assert time.monotonic() < deadline, log.output()
+            time.sleep(0.5)
