@@ -5,6 +5,8 @@
 #   TCACHE_SAVE=1 ... bash docs/h200-serve-bench.sh   # after warm-up: $OUT/triton-cache.tgz.* (15 MiB parts)
 #   mkdir -p .tcache && cp FILES_AT/triton-cache.tgz.* .tcache/   # then carry .tcache
 # The cache's groups name absolute paths: it is restored to the same place, ~/.triton/cache.
+# Autotuners' picks (fla's GDN kernels autotune) are kept in the same cache and come back with it
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 TCACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 tcache_restore() {
     ls .tcache/triton-cache.tgz.* >/dev/null 2>&1 || return 0
