@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 MAX_ALIGN_PAIRS = 8192  # one program sorts every pair: decode and small prefills
-ALIGN_CHUNK = 4096  # above that, a program per chunk of pairs
+ALIGN_CHUNK = 2048  # above that, a program per chunk (H200, 32,768 x 9 pairs: 67-83 us vs 105 at 4,096)
 
 
 @triton.jit
