@@ -205,3 +205,20 @@ def test_fused_gdn_decode_equals_the_four_ops(batch: int) -> None:
     )
     assert rel_err(fused.recurrent_pool, unfused.recurrent_pool) < 1e-5
     assert rel_err(fused.recurrent_pool, cpu.recurrent_pool) < 1e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 32])
+def test_route_align_equals_route_then_align(tokens: int) -> None:
+    """Decode's one-program routing + row layout = route_topk then align_pairs (ids and rows to the
+    bit, weights to rounding), at the Qwen3.6 shape with the shared expert folded in; the same
+    token routed beside 1 or 31 others gets the same weights."""
+    from pdserve.ops.cuda_route import align_pairs, route_topk
+    from pdserve.ops.cuda_route_align import route_align
+
+    logits = torch.randn(tokens, E + 1, device=DEVICE, dtype=torch.bfloat16)
+    weights, ids, rows = route_align(logits, E, K, 16)
+    want_w, want_ids = route_topk(logits, E, K)
+    assert torch.equal(ids, want_ids) and torch.equal(rows, align_pairs(want_ids, E + 1, 16))
+    assert rel_err(weights, want_w) < 1e-2
+    alone = route_align(logits[:1], E, K, 16)[0]
+    assert torch.equal(alone, weights[:1])

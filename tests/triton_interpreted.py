@@ -68,6 +68,29 @@ def check_route(gen: torch.Generator) -> None:
         torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
 
 
+def check_route_align(gen: torch.Generator) -> None:
+    """Decode's one-program routing + alignment = route_topk then the sort's layout, at 1 to 32
+    tokens, with and without the shared expert; then the routed experts against the reference."""
+    from pdserve.ops import cuda_route_align
+    from pdserve.ops.moe import fused_moe_reference
+
+    for tokens, shared, block_m in [(1, True, 16), (5, True, 16), (32, True, 16), (9, False, 64)]:
+        logits = torch.randn(tokens, E + int(shared), generator=gen)
+        weights, ids, rows = cuda_route_align.route_align(logits, E, K, block_m)
+        want_w, want_ids = ref.route_topk(logits, E, K)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+        assert torch.equal(rows, cuda_moe.pairs_by_sort(want_ids, E + int(shared), block_m))
+    hidden, inter, tokens = 32, 16, 6
+    w13 = torch.randn(E + 1, 2 * inter, hidden, generator=gen) * 0.2
+    w2 = torch.randn(E + 1, hidden, inter, generator=gen) * 0.2
+    x, logits = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, E + 1, generator=gen)
+    got = cuda_moe.routed_experts(x, logits, w13, w2, E, K, reduce=False)
+    torch.testing.assert_close(
+        got, fused_moe_reference(x, w13, w2, *ref.route_topk(logits, E, K), reduce=False)
+    )
+
+
 def check_conv(gen: torch.Generator) -> None:
     """Packed causal conv prefill (sequences shorter and longer than the history), its new history,
     then a decode step on top."""
@@ -225,6 +248,7 @@ def check_attention(gen: torch.Generator) -> None:
 CHECKS = {
     "align": check_align,
     "route": check_route,
+    "route_align": check_route_align,
     "conv": check_conv,
     "moe": check_moe,
     "norms": check_norms,

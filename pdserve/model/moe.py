@@ -8,7 +8,7 @@ from torch import nn
 
 from pdserve import ops
 from pdserve.config import ModelConfig
-from pdserve.ops.moe import fused_moe
+from pdserve.ops.moe import fused_moe, routed_moe
 
 
 class SparseMoe(nn.Module):
@@ -62,9 +62,11 @@ class SparseMoe(nn.Module):
         `add_rms_norm` to sum: the routed experts' and the shared expert's."""
         if self.gate.data_ptr() != self.router.data_ptr():
             raise RuntimeError("SparseMoe: parameters no longer alias their stacks (moved after init?)")
-        weights, ids = self.route(x)
         if self.shared_folded:
-            return fused_moe(x, self.experts_w13, self.experts_w2, weights, ids, reduce=False)
+            logits = F.linear(x, self.router)[:, : self.num_experts + 1]
+            w13, w2 = self.experts_w13, self.experts_w2
+            return routed_moe(x, logits, w13, w2, self.num_experts, self.top_k, reduce=False)
+        weights, ids = self.route(x)
         routed = fused_moe(x, self.w13, self.w2, weights, ids, reduce=False)
         gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
         shared = F.linear(F.silu(gate) * up, self.shared_down)

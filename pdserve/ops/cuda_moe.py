@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.ops.cuda_route import align_pairs, padded_rows
+from pdserve.ops.cuda_route import align_pairs, padded_rows, route_topk
+from pdserve.ops.cuda_route_align import ROUTE_ALIGN_TOKENS, route_align
 
 
 @triton.jit
@@ -117,11 +118,13 @@ def fused_moe_triton(
     reduce: bool = True,
     cfg: dict[str, int] | None = None,
     cfg_down: dict[str, int] | None = None,
+    pair_of_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, K] -> [T, H] in x's dtype
     (reduce=False: the weighted rows of each pair, [T, K, H]). `cfg`, `cfg_down`: tile sizes of the
     gate/up and the down GEMM other than `_block_config`'s (pdserve.ops.bench_moe_tiles sweeps them;
-    cfg_down defaults to cfg and must keep its BLOCK_M: both GEMMs read one row layout)."""
+    cfg_down defaults to cfg and must keep its BLOCK_M: both GEMMs read one row layout). `pair_of_row`:
+    the ids' row layout for cfg's BLOCK_M when the caller has it (`route_align`)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -130,7 +133,8 @@ def fused_moe_triton(
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if cfg_down["BLOCK_M"] != block_m:
         raise ValueError(f"fused_moe_triton: cfg_down BLOCK_M {cfg_down['BLOCK_M']} != cfg's {block_m}")
-    pair_of_row = align_pairs(topk_ids, num_experts, block_m)
+    if pair_of_row is None:
+        pair_of_row = align_pairs(topk_ids, num_experts, block_m)
     num_blocks = pair_of_row.shape[0] // block_m
     x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), topk_ids.contiguous()
     weights = topk_weights.contiguous().flatten()
@@ -189,3 +193,24 @@ def fused_moe(
         shape = x.shape if reduce else (0, topk_ids.shape[1], x.shape[1])
         return torch.zeros(shape, dtype=x.dtype, device=x.device)
     return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, reduce)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    reduce: bool = True,
+) -> torch.Tensor:
+    """Route (`route_topk`; logits [T, E + 1]: the shared expert folded in as expert E) and run the
+    experts (`fused_moe`). Decode steps route and align in one launch (`route_align`)."""
+    num_tokens = x.shape[0]
+    if 0 < num_tokens <= ROUTE_ALIGN_TOKENS:
+        out_k = top_k + int(router_logits.shape[1] == num_experts + 1)
+        cfg = _block_config(num_tokens * out_k, w13.shape[0])
+        weights, ids, rows = route_align(router_logits, num_experts, top_k, cfg["BLOCK_M"])
+        return fused_moe_triton(x, w13, w2, weights, ids, reduce, cfg=cfg, pair_of_row=rows)
+    weights, ids = route_topk(router_logits, num_experts, top_k)
+    return fused_moe(x, w13, w2, weights, ids, reduce)

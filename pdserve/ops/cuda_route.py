@@ -24,36 +24,63 @@ ALIGN_CHUNK = 2048  # above that, a program per chunk (H200, 32,768 x 9 pairs: 6
 
 
 @triton.jit
+def topk_tile(
+    logits_ptr, rows, row_ok, stride_lt, E, SHARED_ID,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+):  # fmt: skip
+    """Each of `rows` (the ones with row_ok): probs = softmax(logits[:E]); TOP_K rounds of argmax
+    (lowest id first on ties), the chosen weights renormalised; with HAS_SHARED a last pair
+    (SHARED_ID, sigmoid(logits[E])). -> (weights fp32, ids int32), [R, K_PAD] each."""
+    offs = tl.arange(0, E_PAD)
+    logits = tl.load(
+        logits_ptr + rows[:, None] * stride_lt + offs[None, :],
+        mask=row_ok[:, None] & (offs < E)[None, :],
+        other=float("-inf"),
+    ).to(tl.float32)
+    logits = tl.where(row_ok[:, None], logits, 0.0)  # rows past the tokens: finite, never stored
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = p / tl.sum(p, axis=1)[:, None]
+    offs_k = tl.arange(0, K_PAD)[None, :]
+    chosen_w = tl.zeros([rows.shape[0], K_PAD], tl.float32)
+    chosen_id = tl.zeros([rows.shape[0], K_PAD], tl.int32)
+    remaining = tl.where((offs < E)[None, :], probs, -1.0)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=1)[:, None]
+        best_id = tl.min(tl.where(remaining == best, offs[None, :], E_PAD), axis=1)[:, None]
+        chosen_w = tl.where(offs_k == k, best, chosen_w)
+        chosen_id = tl.where(offs_k == k, best_id, chosen_id)
+        remaining = tl.where(offs[None, :] == best_id, -1.0, remaining)
+    chosen_w = chosen_w / tl.sum(chosen_w, axis=1)[:, None]
+    if HAS_SHARED:
+        gate = tl.sigmoid(tl.load(logits_ptr + rows * stride_lt + E, mask=row_ok, other=0.0).to(tl.float32))
+        chosen_w = tl.where(offs_k == TOP_K, gate[:, None], chosen_w)
+        chosen_id = tl.where(offs_k == TOP_K, SHARED_ID, chosen_id)
+    return chosen_w, chosen_id
+
+
+@triton.jit
+def store_routes(
+    weights_ptr, ids_ptr, rows, row_ok, chosen_w, chosen_id, OUT_K: tl.constexpr, K_PAD: tl.constexpr
+):
+    """The first OUT_K pairs of each row with row_ok into weights / ids [T, OUT_K] (ids as int64)."""
+    offs_k = tl.arange(0, K_PAD)[None, :]
+    dst = rows.to(tl.int64)[:, None] * OUT_K + offs_k
+    out = row_ok[:, None] & (offs_k < OUT_K)
+    tl.store(weights_ptr + dst, chosen_w.to(weights_ptr.dtype.element_ty), mask=out)
+    tl.store(ids_ptr + dst, chosen_id.to(tl.int64), mask=out)
+
+
+@triton.jit
 def _route_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, stride_lt, E, SHARED_ID,
     TOP_K: tl.constexpr, OUT_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     E_PAD: tl.constexpr, K_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Token t: probs = softmax(logits[:E]); TOP_K rounds of argmax (lowest id first on ties), the
-    chosen weights renormalised; with HAS_SHARED a last pair (SHARED_ID, sigmoid(logits[E]))."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    probs = p / tl.sum(p, axis=0)
-    offs_k = tl.arange(0, K_PAD)
-    chosen_w = tl.zeros([K_PAD], tl.float32)
-    chosen_id = tl.zeros([K_PAD], tl.int32)
-    remaining = tl.where(offs < E, probs, -1.0)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        best_id = tl.min(tl.where(remaining == best, offs, E_PAD), axis=0)
-        chosen_w = tl.where(offs_k == k, best, chosen_w)
-        chosen_id = tl.where(offs_k == k, best_id, chosen_id)
-        remaining = tl.where(offs == best_id, -1.0, remaining)
-    chosen_w = chosen_w / tl.sum(chosen_w, axis=0)
-    if HAS_SHARED:
-        gate = tl.sigmoid(tl.load(logits_ptr + t * stride_lt + E).to(tl.float32))
-        chosen_w = tl.where(offs_k == TOP_K, gate, chosen_w)
-        chosen_id = tl.where(offs_k == TOP_K, SHARED_ID, chosen_id)
-    out = offs_k < OUT_K
-    tl.store(weights_ptr + t * OUT_K + offs_k, chosen_w.to(weights_ptr.dtype.element_ty), mask=out)
-    tl.store(ids_ptr + t * OUT_K + offs_k, chosen_id.to(tl.int64), mask=out)
+    """Token t's routes (`topk_tile` of one row)."""
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    row_ok = rows >= 0
+    w, ids = topk_tile(logits_ptr, rows, row_ok, stride_lt, E, SHARED_ID, TOP_K, HAS_SHARED, E_PAD, K_PAD)
+    store_routes(weights_ptr, ids_ptr, rows, row_ok, w, ids, OUT_K, K_PAD)
 
 
 def route_topk(logits: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,9 +108,18 @@ def _align_pairs_kernel(
     ids_ptr, pair_of_row_ptr, scratch_ptr, num_pairs, num_rows, E,
     BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr,
 ):  # fmt: skip
-    """One program. Expert e's pairs take rows padded_start[e] + rank, rank = the pair's place among
-    e's pairs in pair order, padded_start = exclusive prefix sum of counts rounded up to BLOCK_M;
-    every other row is -1."""
+    """One program: `align_all`."""
+    align_all(ids_ptr, pair_of_row_ptr, scratch_ptr, num_pairs, num_rows, E, BLOCK_M, P_PAD, E_PAD, FILL)
+
+
+@triton.jit
+def align_all(
+    ids_ptr, pair_of_row_ptr, scratch_ptr, num_pairs, num_rows, E,
+    BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    """Expert e's pairs take rows padded_start[e] + rank, rank = the pair's place among e's pairs in
+    pair order, padded_start = exclusive prefix sum of counts rounded up to BLOCK_M; every other
+    row is -1. One program does it all (scratch: E_PAD int32)."""
     offs = tl.arange(0, P_PAD)
     valid = offs < num_pairs
     experts = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)

@@ -37,6 +37,35 @@ def fused_moe(
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, reduce)
 
 
+def routed_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    reduce: bool = True,
+) -> torch.Tensor:
+    """`pdserve.ops.route_topk` of router_logits, then `fused_moe` over the chosen experts: with
+    logits [T, E + 1] the shared expert is expert E of w13 / w2 ([E + 1, ...]), gated by its sigmoid.
+    On CUDA a decode step's routing and row layout are one launch."""
+    from pdserve import ops
+
+    num_columns = router_logits.shape[-1]
+    if router_logits.dim() != 2 or router_logits.shape[0] != x.shape[0]:
+        raise ValueError(f"routed_moe: router_logits {tuple(router_logits.shape)} for x {tuple(x.shape)}")
+    if num_columns not in (num_experts, num_experts + 1) or not 0 < top_k <= num_experts:
+        raise ValueError(f"routed_moe: logits of {num_columns} for {num_experts} experts and top_k={top_k}")
+    if w13.shape[0] != num_columns:
+        raise ValueError(f"routed_moe: {w13.shape[0]} experts' weights for logits of {num_columns}")
+    if x.is_cuda:
+        from pdserve.ops.cuda_moe import routed_experts
+
+        return routed_experts(x, router_logits, w13, w2, num_experts, top_k, reduce)
+    weights, ids = ops.route_topk(router_logits, num_experts, top_k)
+    return fused_moe(x, w13, w2, weights, ids, reduce)
+
+
 def fused_moe_reference(
     x: torch.Tensor,
     w13: torch.Tensor,
