@@ -64,6 +64,28 @@ def test_eos_stops_unless_ignored(llm: LLM) -> None:
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
 
 
+def test_eos_that_is_also_a_stop_token_id_has_no_stop_reason(llm: LLM) -> None:
+    """As vLLM: eos is checked before stop_token_ids, so a token that is both ends the request
+    with stop_reason None (with ignore_eos it is a stop token id only, and names itself)."""
+    free = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    target = free.token_ids[3]
+    engine = llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = (target,)
+    try:
+        as_eos, as_stop_id = (
+            llm.generate(
+                "Hello", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[target], ignore_eos=i)
+            )[0]
+            for i in (False, True)
+        )
+    finally:
+        engine.eos_token_ids = saved
+    assert (as_eos.finish_reason, as_eos.stop_reason, as_eos.token_ids[-1]) == ("stop", None, target)
+    assert (as_stop_id.finish_reason, as_stop_id.stop_reason) == ("stop", target)
+    assert as_stop_id.token_ids == as_eos.token_ids
+
+
 def test_stop_string_is_not_emitted(llm: LLM) -> None:
     free = llm.generate("The sky", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
     text = free.text

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
 from tests.router_requests import CHAT, MAX_MODEL_LEN, MODEL
 
 pytest_plugins = ["tests.router_server"]  # the shared engine, server and client
@@ -140,6 +141,28 @@ def test_stop_reason(server: str, offline: LLM, path: str) -> None:
             (reason, expected)
         ]
         assert all(c["stop_reason"] is None for c in streamed if not c["finish_reason"])
+
+
+def test_stop_reason_of_an_eos_that_is_also_a_stop_token_id(
+    server: str, engine: LLMEngine, offline: LLM
+) -> None:
+    """vLLM checks eos first: a token that is both eos and a stop token id finishes with
+    stop_reason null, streamed or not (with ignore_eos it names itself)."""
+    eos = reference(offline, PROMPT, max_tokens=12, ignore_eos=True)[1][3]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = (eos,)  # the served engine's eos: a token greedy decoding emits
+    try:
+        for ignore_eos, expected in [(False, None), (True, eos)]:
+            choice, streamed = answers(
+                server, "/v1/completions", {**body, "stop_token_ids": [eos], "ignore_eos": ignore_eos}
+            )
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", expected), ignore_eos
+            assert [(c["finish_reason"], c["stop_reason"]) for c in streamed if c["finish_reason"]] == [
+                ("stop", expected)
+            ]
+    finally:
+        engine.eos_token_ids = saved
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:

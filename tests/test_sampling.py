@@ -141,6 +141,18 @@ def test_stop_token_ids_and_eos() -> None:
     assert (checker.text, checker.finish_reason, checker.stop_reason) == ("hi", "stop", None)
 
 
+def test_eos_that_is_also_a_stop_token_id_reports_no_stop_reason() -> None:
+    """vLLM checks eos first: a token that is both eos and one of stop_token_ids ends the request
+    with stop_reason None; with ignore_eos it is only a stop token id and names itself."""
+    tok, (hi,) = tokenize("hi")
+    eos = tok.token_to_id(EOS)
+    for ignore_eos, reason in [(False, None), (True, eos)]:
+        params = SamplingParams(stop_token_ids=[eos], ignore_eos=ignore_eos)
+        checker = StopChecker(params, tok, [eos])
+        assert checker.append(hi) == ("hi", False) and checker.append(eos) == ("", True)
+        assert (checker.text, checker.finish_reason, checker.stop_reason) == ("hi", "stop", reason)
+
+
 def test_ignore_eos_runs_to_max_tokens() -> None:
     checker, deltas = run(SamplingParams(ignore_eos=True, max_tokens=3), "a", "b")
     assert (checker.text, checker.finish_reason, checker.num_tokens) == ("ab", "length", 3)

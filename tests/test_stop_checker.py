@@ -28,7 +28,7 @@ class ReferenceStopChecker:
         self.num_tokens += 1
         can_stop = self.num_tokens > p.min_tokens
         if can_stop and (token_id in self.eos or token_id in p.stop_token_ids):
-            self.stop_reason = token_id if token_id in p.stop_token_ids else None
+            self.stop_reason = None if token_id in self.eos else token_id
             if p.include_stop_str_in_output:
                 self.decoded += self.detokenizer.append(token_id)
             return self.finish("stop", self.decoded + self.detokenizer.flush())

@@ -9,7 +9,8 @@ skipped special tokens) the window moves on anyway: it never grows with the outp
 
 `StopChecker` sits on top and decides when a request is finished, in vLLM's order:
   1. an eos token (unless ignore_eos) or one of stop_token_ids -> "stop"; the token is kept
-     out of the text unless include_stop_str_in_output
+     out of the text unless include_stop_str_in_output. eos is checked first: a token that is
+     both has stop_reason None (vLLM's check_stop)
   2. a stop string in the text -> "stop"; the text ends before it (or after it, with
      include_stop_str_in_output); the occurrence that starts first wins, the first listed on a
      tie. Text that could still be the start of a stop string is held back from the deltas
@@ -153,7 +154,8 @@ class StopChecker:
 
     `append(token_id)` returns `(text_delta, finished)`; the deltas joined are always `.text`.
     After the request finishes, `finish_reason` is "stop" or "length" and `stop_reason` the
-    stop string or stop token id that ended it (None for eos and for "length", as in vLLM).
+    stop string or stop token id that ended it (None for eos, even an eos that is also one of
+    stop_token_ids, and for "length", as in vLLM).
     """
 
     def __init__(self, params: SamplingParams, tokenizer: Decoder, eos_token_ids: Sequence[int] = ()) -> None:
@@ -192,7 +194,7 @@ class StopChecker:
         self.num_tokens += 1
         can_stop = self.num_tokens > self.params.min_tokens
         if can_stop and (token_id in self.eos_token_ids or token_id in self.stop_token_ids):
-            self.stop_reason = token_id if token_id in self.stop_token_ids else None
+            self.stop_reason = None if token_id in self.eos_token_ids else token_id  # eos wins
             tail = self._held
             if self.params.include_stop_str_in_output:
                 tail += self.detokenizer.append(token_id)
