@@ -3,6 +3,9 @@
 Refreshed in the background; an instance whose heartbeat expires drops out. An instance the
 router could not reach is set aside locally until the registry shows a fresh heartbeat.
 Choice: least load (registry load + this router's requests in flight there).
+Each refresh also closes the gRPC clients of addresses no longer registered (a service restarted
+on a new port, expired, removed) once their calls in flight have ended (router/instance_clients.py),
+and forgets what it counted for instances that left.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 from collections import defaultdict
 
 from pdserve.registry import InstanceInfo, InstanceRegistry
-from pdserve.rpc import RpcClient
+from router.instance_clients import InstanceClient, InstanceClients, client_key
 from router.metrics import RouterMetrics
 from router.prefix_metrics import PrefixCacheMetrics
 
@@ -37,7 +40,7 @@ class InstanceSet:
         self._set_aside: dict[str, float] = {}
         self._run_id: str | None = None  # the Redis server's: a new one means Redis restarted
         self._restarted_at: float | None = None
-        self._clients: dict[str, RpcClient] = {}
+        self.clients = InstanceClients(SERVICES)
         self._task: asyncio.Task | None = None
         self._load = metrics.gauge(
             "instance_load", "Requests running + waiting per instance", ["role", "instance"]
@@ -52,8 +55,7 @@ class InstanceSet:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for client in self._clients.values():
-            await client.close()
+        await self.clients.close()
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -88,6 +90,16 @@ class InstanceSet:
                     i.load.get("running", 0) + i.load.get("waiting", 0)
                 )
                 self.prefix_metrics.observe(i.instance_id, i.load.get("prefix_cache"))
+        self.clients.keep({client_key(i.role, i.address) for found in seen.values() for i in found.values()})
+        self._forget_gone({i for found in seen.values() for i in found})
+
+    def _forget_gone(self, registered: set[str]) -> None:
+        """Drop the counts of instances that left: nothing in flight there, set-aside time over."""
+        for instance_id in [k for k, n in self.in_flight.items() if n == 0 and k not in registered]:
+            del self.in_flight[instance_id]
+        now = time.monotonic()
+        for instance_id in [k for k, until in self._set_aside.items() if until < now]:
+            del self._set_aside[instance_id]
 
     def pick(self, role: str, exclude: set[str] = frozenset(), prefer: str | None = None) -> InstanceInfo:
         """The least loaded live instance; `prefer` (it caches the prompt's prefix) wins unless
@@ -116,11 +128,10 @@ class InstanceSet:
         self._set_aside[instance.instance_id] = time.monotonic() + SET_ASIDE_S
         self.live[instance.role].pop(instance.instance_id, None)
 
-    def client(self, instance: InstanceInfo) -> RpcClient:
-        key = f"{instance.role}@{instance.address}"
-        if key not in self._clients:
-            self._clients[key] = RpcClient(instance.address, SERVICES[instance.role])
-        return self._clients[key]
+    def client(self, instance: InstanceInfo) -> InstanceClient:
+        """The instance's gRPC client (`unary`, `stream`); its channel stays open while a call on
+        it runs, and is closed once the instance has left the registry and no call is left."""
+        return self.clients.client(instance.role, instance.address)
 
     def counts(self) -> dict[str, int]:
         return {role: len(v) for role, v in self.live.items()}
