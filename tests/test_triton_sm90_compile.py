@@ -3,7 +3,8 @@
 The interpreter checks (tests/test_triton_interpreted.py) run a kernel's semantics on the CPU, one
 thread, without compiling it; a kernel can pass them and still fail to compile for the GPU (a
 shape the compiler rejects, a dtype mismatch, too much shared memory). Triton compiles for a given
-target without a device: here to PTX and a cubin for sm90, with the constexprs the engine uses.
+target without a device: here to PTX and a cubin for sm90, with the constexprs and warps the engine
+uses (divisibility hints aside: the runtime's builds may vectorise loads these do not).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pdserve.ops import cuda_gdn_decode, cuda_route, cuda_route_align  # noqa: E402
+from pdserve.ops import cuda_gdn, cuda_gdn_decode, cuda_layers, cuda_norms, cuda_route, cuda_route_align  # noqa: E402
 
 ROUTES = {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64"}
 ROUTE_K = {"TOP_K": 8, "OUT_K": 9, "HAS_SHARED": True, "E_PAD": 256, "K_PAD": 16}
@@ -25,23 +26,58 @@ KERNELS = {
         cuda_route._route_topk_kernel,
         {**ROUTES, "stride_lt": "i32", "E": "i32", "SHARED_ID": "i32"},
         ROUTE_K,
+        2,
     ),
     "route_align": (
         cuda_route_align._route_align_kernel,
         {**ROUTES, "pair_of_row_ptr": "*i64", "scratch_ptr": "*i32", "stride_lt": "i32", "num_tokens": "i32",
          "num_rows": "i32", "E": "i32", "num_aligned": "i32"},
         {**ROUTE_K, "T_PAD": 32, "BLOCK_M": 16, "P_PAD": 512, "A_PAD": 512, "FILL": 1024},
+        8,
     ),
     "align_pairs": (
         cuda_route._align_pairs_kernel,
         {**ALIGN, "num_pairs": "i32", "num_rows": "i32", "E": "i32"},
         {"BLOCK_M": 64, "P_PAD": 8192, "E_PAD": 512, "FILL": 1024},
+        8,
     ),
     "chunk_scatter": (
         cuda_route._chunk_scatter_kernel,
         {"ids_ptr": "*i64", "counts_ptr": "*i32", "pair_of_row_ptr": "*i64", "scratch_ptr": "*i32",
          "num_pairs": "i32", "num_chunks": "i32", "E": "i32"},
         {"BLOCK_M": 128, "CHUNK": cuda_route.ALIGN_CHUNK, "E_PAD": 512, "ROWS": 16},
+        8,
+    ),
+    "chunk_counts": (
+        cuda_route._chunk_counts_kernel,
+        {"ids_ptr": "*i64", "counts_ptr": "*i32", "pair_of_row_ptr": "*i64", "num_pairs": "i32",
+         "num_rows": "i32", "E": "i32"},
+        {"CHUNK": cuda_route.ALIGN_CHUNK, "E_PAD": 512, "FILL": 1024},
+        8,
+    ),
+    "gdn_gates": (
+        cuda_layers._gdn_gates_kernel,
+        {"a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*bf16", "g_ptr": "*fp32",
+         "beta_ptr": "*bf16", "stride_at": "i32", "stride_bt": "i32", "T": "i32", "HV": "i32"},
+        {"BT": 64, "BH": 32},
+        4,
+    ),
+    "gated_rms_norm": (
+        cuda_norms._gated_rms_norm_kernel,
+        {"x_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+         **dict.fromkeys(["stride_xt", "stride_xh", "stride_zt", "stride_zh", "num_rows", "H", "D"], "i32"),
+         "eps": "fp32"},
+        {"ROWS": 16, "BLOCK": 128},
+        4,
+    ),
+    "gdn_step": (
+        cuda_gdn._gdn_step_kernel,
+        {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
+         "state_ptr": "*fp32", "slot_ptr": "*i64", "o_ptr": "*bf16",
+         **{f"stride_{x}": "i32" for x in "qb qh kb kh vb vh gb betab ss sh ob oh".split()},
+         "scale": "fp32", "eps": "fp32"},
+        {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": 64},
+        4,
     ),
     "gates_step_norm": (
         cuda_gdn_decode._gates_step_norm_kernel,
@@ -50,16 +86,19 @@ KERNELS = {
          "out_ptr": "*bf16", **dict.fromkeys(["stride_mb", "stride_zb", "stride_zh", "stride_ab", "stride_bb",
          "stride_ss", "stride_sh", "key_dim"], "i32"), "scale": "fp32", "l2_eps": "fp32", "norm_eps": "fp32"},
         {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": 128},
+        8,
     ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_compiles_for_sm90(name: str) -> None:
-    kernel, signature, constexprs = KERNELS[name]
+    kernel, signature, constexprs, num_warps = KERNELS[name]
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     assert list(signature) == kernel.arg_names, "the signature above lags the kernel's arguments"
     compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps},  # as the engine launches it
     )
     assert compiled.asm["cubin"] and ".target sm_90" in compiled.asm["ptx"]

@@ -201,6 +201,28 @@ def check_gdn_decode(gen: torch.Generator) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got_conv, want_conv)
     torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+    # bf16, against the four unfused Triton kernels: the same rounding points, to the bit
+    bf = torch.bfloat16
+    weight, dt_bias, norm_w = weight.to(bf), dt_bias.to(bf), norm_w.to(bf)
+    fused = GdnTensors(weight, conv.to(bf), A_log, dt_bias, state.clone(), norm_w, 1e-6)
+    apart = GdnTensors(weight, conv.to(bf), A_log, dt_bias, state.clone(), norm_w, 1e-6)
+    for _ in range(2):
+        x, z = (
+            torch.randn(batch, channels, generator=gen).to(bf),
+            torch.randn(batch, v_heads, dv, generator=gen).to(bf),
+        )
+        a, b = ((torch.randn(batch, v_heads, generator=gen) * 6).to(bf) for _ in range(2))
+        got = cuda_gdn_decode.gdn_decode_step(x, z, a, b, fused, ids)
+        q, k, v = cuda_conv.causal_conv1d_step(x, weight, apart.conv_pool, ids).split(
+            [k_heads * dk] * 2 + [v_heads * dv], -1
+        )
+        g, beta = cuda_layers.gdn_gates(a, b, A_log, dt_bias)
+        qkv = q.reshape(batch, k_heads, dk), k.reshape(batch, k_heads, dk), v.reshape(batch, v_heads, dv)
+        o = cuda_gdn.gdn_recurrent_step(*qkv, g, beta, apart.recurrent_pool, ids, block_v=16)
+        assert torch.equal(got, cuda_norms.gated_rms_norm(o, z, norm_w, 1e-6))
+    assert torch.equal(fused.conv_pool, apart.conv_pool) and torch.equal(
+        fused.recurrent_pool, apart.recurrent_pool
+    )
 
 
 def check_attention(gen: torch.Generator) -> None:

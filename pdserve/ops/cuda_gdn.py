@@ -123,8 +123,7 @@ def _gdn_step_kernel(
 
     q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    q, k = l2_normed_qk(q, k, scale, eps)
     v = tl.load(v_ptr + b * stride_vb + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     decay = tl.exp(tl.load(g_ptr + b * stride_gb + hv).to(tl.float32))
     beta = tl.load(beta_ptr + b * stride_betab + hv).to(tl.float32)
@@ -133,6 +132,12 @@ def _gdn_step_kernel(
     s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
     out = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, decay, beta)
     tl.store(o_ptr + b * stride_ob + hv * stride_oh + offs_v, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
+def l2_normed_qk(q, k, scale, eps):
+    """q and k [DK] fp32, each over its l2 norm (q then times scale), as fla's use_qk_l2norm_in_kernel."""
+    return q * (tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale), k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
 
 
 @triton.jit

@@ -5,10 +5,12 @@ Unfused, a GDN layer's decode token is four launches between its two GEMMs (`cau
 `gdn_gates`, `gdn_recurrent_step`, `gated_rms_norm`): at 4 sequences each is 2-7 us of mostly
 launch and memory latency (docs/benchmarks.md, session 13). After the conv, one program here takes
 a (sequence, value head): its gates, its whole [Dk, Dv] fp32 state tile updated in place, and its
-gated-normed output row. Values are rounded where the unfused kernels round (beta to the activation
-dtype, the step's output before the norm), so the two paths agree up to reduction order.
-The conv stays a launch of its own: one program per key head convolving its q/k and value channels
-ran ~1.6x slower (too few programs at 4-32 sequences, H200).
+gated-normed output row, through the unfused kernels' own jit helpers (`gdn_decay`, `l2_normed_qk`,
+`delta_rule_step`, `gated_norm_values`) and rounded where they round (beta to the activation dtype,
+the step's output before the norm): the two paths agree to the bit under the interpreter.
+The conv stays a launch of its own. Fused into one program a (sequence, key head) (220e29d) it was
+slower (64-512 programs for 4-32 sequences, H200) and wrong: a 128-lane tensor over 8 warps is held
+by two threads each, and one replica shifted a channel's conv history before the other had read it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import triton
 import triton.language as tl
 
 from pdserve.ops.cuda_conv import causal_conv1d_step
-from pdserve.ops.cuda_gdn import _L2NORM_EPS, delta_rule_step
+from pdserve.ops.cuda_gdn import _L2NORM_EPS, delta_rule_step, l2_normed_qk
+from pdserve.ops.cuda_layers import gdn_decay
+from pdserve.ops.cuda_norms import gated_norm_values
 from pdserve.ops.gdn_decode import GdnTensors
 
 
@@ -42,26 +46,18 @@ def _gates_step_norm_kernel(
     q = tl.load(m_row + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     k = tl.load(m_row + key_dim + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     v = tl.load(m_row + 2 * key_dim + hv * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + l2_eps) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + l2_eps)
-    # gates: g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear above 20); beta =
-    # sigmoid(b), rounded to b's dtype
+    q, k = l2_normed_qk(q, k, scale, l2_eps)
     a = tl.load(a_ptr + seq * stride_ab + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-    g = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus
+    g = gdn_decay(a, tl.load(a_log_ptr + hv).to(tl.float32))
     b = tl.load(b_ptr + seq * stride_bb + hv)
-    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # rounded as gdn_gates stores it
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
     o = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, tl.exp(g), beta)
-    # gated RMSNorm over the head: round(w * round(o / rms(o))) * silu(z)
-    o = o.to(z_ptr.dtype.element_ty).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(o * o, axis=0) / DV + norm_eps)
-    normed = (o * rstd).to(z_ptr.dtype.element_ty).to(tl.float32)
+    o = o.to(z_ptr.dtype.element_ty)  # rounded as gdn_recurrent_step stores it
     norm_w = tl.load(norm_w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    scaled = (norm_w * normed).to(z_ptr.dtype.element_ty).to(tl.float32)
-    z = tl.load(z_ptr + seq * stride_zb + hv * stride_zh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    out = (scaled * (z * tl.sigmoid(z))).to(out_ptr.dtype.element_ty)
+    z = tl.load(z_ptr + seq * stride_zb + hv * stride_zh + offs_v, mask=mask_v, other=0.0)
+    out = gated_norm_values(o, z, norm_w, DV, norm_eps).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + (seq * HV + hv) * DV + offs_v, out, mask=mask_v)
 
 

@@ -133,6 +133,12 @@ def output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def gdn_decay(x, a_log):
+    """g = -exp(A_log) * softplus(x), x = a + dt_bias, all fp32 (torch's softplus: linear above 20)."""
+    return -tl.exp(a_log) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
 def _gdn_gates_kernel(
     a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,
     stride_at, stride_bt, T, HV, BT: tl.constexpr, BH: tl.constexpr,
@@ -145,10 +151,9 @@ def _gdn_gates_kernel(
     mask = (offs_t < T)[:, None] & mask_h[None, :]
     a = tl.load(a_ptr + offs_t[:, None] * stride_at + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    decay_rate = tl.exp(tl.load(a_log_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32))
-    x = a + dt_bias[None, :]
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    tl.store(g_ptr + offs_t[:, None] * HV + offs_h[None, :], -decay_rate[None, :] * softplus, mask=mask)
+    a_log = tl.load(a_log_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    g = gdn_decay(a + dt_bias[None, :], a_log[None, :])
+    tl.store(g_ptr + offs_t[:, None] * HV + offs_h[None, :], g, mask=mask)
     b = tl.load(b_ptr + offs_t[:, None] * stride_bt + offs_h[None, :], mask=mask, other=0.0)
     beta = tl.sigmoid(b.to(tl.float32))
     tl.store(beta_ptr + offs_t[:, None] * HV + offs_h[None, :], beta.to(beta_ptr.dtype.element_ty), mask=mask)

@@ -2,9 +2,10 @@
 run as grouped GEMMs, either a Triton kernel (fused SiLU-gate, any float dtype) or torch's
 `_grouped_mm` (CUTLASS, bf16 on sm90). Semantics are those of `pdserve.ops.moe.fused_moe`.
 
-The Triton path lays the pairs out by counting (`pdserve.ops.cuda_route.align_pairs`: one launch for a
-decode step, two for a prefill pass; `pairs_by_sort` is the same layout by a device sort, its
-reference); each GEMM program reads its block's expert off the block's first pair.
+The Triton path lays the pairs out by counting (`pdserve.ops.cuda_route.align_pairs`: one launch up to
+8,192 pairs, two above; `pairs_by_sort` is the same layout by a device sort, its reference; or
+`cuda_route_align.route_align` with the routing, see ROUTE_ALIGN_UP_TO); each GEMM program reads its
+block's expert off the block's first pair.
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def fused_moe_triton(
         raise ValueError(f"fused_moe_triton: cfg_down BLOCK_M {cfg_down['BLOCK_M']} != cfg's {block_m}")
     if pair_of_row is None:
         pair_of_row = align_pairs(topk_ids, num_experts, block_m)
+    elif pair_of_row.shape != (padded_rows(topk_ids.numel(), num_experts, block_m),):
+        shape = tuple(pair_of_row.shape)
+        raise ValueError(f"fused_moe_triton: pair_of_row {shape} is not a layout for BLOCK_M {block_m}")
     num_blocks = pair_of_row.shape[0] // block_m
     x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), topk_ids.contiguous()
     weights = topk_weights.contiguous().flatten()
@@ -195,6 +199,12 @@ def fused_moe(
     return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, reduce)
 
 
+# `route_align` serves steps of up to this many tokens (at most ROUTE_ALIGN_TOKENS). 0 until it has
+# run and been timed on the H200 (written in session 14 without a device): then ROUTE_ALIGN_TOKENS.
+ROUTE_ALIGN_UP_TO = 0
+assert ROUTE_ALIGN_UP_TO <= ROUTE_ALIGN_TOKENS
+
+
 def routed_experts(
     x: torch.Tensor,
     router_logits: torch.Tensor,
@@ -205,9 +215,9 @@ def routed_experts(
     reduce: bool = True,
 ) -> torch.Tensor:
     """Route (`route_topk`; logits [T, E + 1]: the shared expert folded in as expert E) and run the
-    experts (`fused_moe`). Decode steps route and align in one launch (`route_align`)."""
+    experts (`fused_moe`); steps of up to ROUTE_ALIGN_UP_TO tokens route and align in one launch."""
     num_tokens = x.shape[0]
-    if 0 < num_tokens <= ROUTE_ALIGN_TOKENS:
+    if 0 < num_tokens <= ROUTE_ALIGN_UP_TO:
         out_k = top_k + int(router_logits.shape[1] == num_experts + 1)
         cfg = _block_config(num_tokens * out_k, w13.shape[0])
         weights, ids, rows = route_align(router_logits, num_experts, top_k, cfg["BLOCK_M"])

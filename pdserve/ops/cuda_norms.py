@@ -114,17 +114,23 @@ def _gated_rms_norm_kernel(
     transformers' gated norm rounds; out is [T * H, D] contiguous."""
     src, dst, mask = _head_rows(stride_xt, stride_xh, num_rows, H, D, ROWS, BLOCK)
     x = tl.load(x_ptr + src, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-    normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
     w_offs = tl.arange(0, BLOCK)
     w = tl.load(w_ptr + w_offs, mask=w_offs < D, other=0.0).to(tl.float32)
-    scaled = (w[None, :] * normed).to(x.dtype).to(tl.float32)
     z_src = _head_rows(stride_zt, stride_zh, num_rows, H, D, ROWS, BLOCK)[0]
     z = tl.load(z_ptr + z_src, mask=mask, other=0.0)
+    tl.store(out_ptr + dst, gated_norm_values(x, z, w, D, eps).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gated_norm_values(x, z, w, D, eps):
+    """Over x's last axis (D values, padding zero): round(w * round(x / rms(x))) * silu(z), fp32,
+    rounded to x's dtype where transformers' gated norm rounds; x, z as stored, w fp32."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=-1, keep_dims=True) / D + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    scaled = (w * normed).to(x.dtype).to(tl.float32)
     zf = z.to(tl.float32)
-    out = scaled * (zf * tl.sigmoid(zf))
-    tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+    return scaled * (zf * tl.sigmoid(zf))
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

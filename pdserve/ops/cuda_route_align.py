@@ -3,9 +3,10 @@ layout of the routed-expert GEMMs (`pdserve.ops.cuda_route.route_topk` + `align_
 
 Separately they are two launches a layer, each 2.5-4.5 us at 4-32 tokens, mostly launch and memory
 latency (bench_step, H200: 0.13 + 0.10 ms of a c=4 step). Up to `ROUTE_ALIGN_TOKENS` tokens fit one
-program: it routes them as one [ROUTE_ALIGN_TOKENS, E] tile (the same tile at every batch size, so
-a token's weights do not depend on how many tokens share its step), writes weights and ids, and
-aligns the ids it wrote after a barrier.
+program: it routes them as one [ROUTE_ALIGN_TOKENS, E] tile (the same tile at every batch size up to
+there: a graph padded to 8 rows routes like 5 rows eagerly; `route_topk`'s one-row tile may round a
+weight differently), writes weights and ids, and aligns the ids it wrote after a barrier.
+Used by `cuda_moe.routed_experts` up to its ROUTE_ALIGN_UP_TO tokens.
 """
 
 from __future__ import annotations

@@ -13,9 +13,11 @@ import torch
 from pdserve import ops
 from pdserve.ops.shapes import Shapes
 
-# The fused kernel's program holds a whole [Dk, Dv] state tile (8 warps): it wins at 4 sequences and
-# loses from 16 on, where the unfused step's half tiles keep twice the programs in flight (bench_step,
-# H200: GDN mixer 0.36 -> 0.27 ms a step at c=4; 1.35 -> 1.85 ms at c=32)
+# The fused kernel's program holds a whole [Dk, Dv] state tile (8 warps). bench_step, H200 (the GDN
+# mixer's kernels a step, 30 layers): c=4 0.36 -> 0.27 ms, c=32 1.24 -> 1.73 ms (the unfused step's
+# half tiles keep twice the programs in flight); c=16: 9.66 ms a whole step, 9.54 before (another
+# machine).
+# Between 4 and 16 it was not measured: 8 is the guess.
 FUSED_MAX_BATCH = 8
 
 
@@ -60,11 +62,16 @@ def gdn_decode_step(
     shapes("slot_ids", slot_ids, "B", torch.int64)
     shapes("norm_weight", norm_weight, "Dv")
     sizes = shapes.sizes
-    key_dim = sizes["C"] - sizes["Hv"] * sizes["Dv"]
-    if key_dim <= 0 or key_dim % (2 * sizes["Dk"]) or sizes["Hv"] % (key_dim // (2 * sizes["Dk"])):
+    qk_channels, dk = sizes["C"] - sizes["Hv"] * sizes["Dv"], sizes["Dk"]  # q and k: 2 Hk Dk
+    if qk_channels <= 0 or qk_channels % (2 * dk) or sizes["Hv"] % (qk_channels // (2 * dk)):
         raise ValueError(
             f"gdn_decode_step: {sizes['C']} channels do not split into q | k of Dk={sizes['Dk']} heads "
             f"and v of {sizes['Hv']} x {sizes['Dv']}, with the value heads a multiple of the key heads"
+        )
+    if {z.dtype, a.dtype, b.dtype} != {mixed_qkv.dtype} or recurrent_pool.dtype != torch.float32:
+        raise ValueError(
+            f"gdn_decode_step: mixed_qkv, z, a, b in one dtype (got {mixed_qkv.dtype}, {z.dtype}, "
+            f"{a.dtype}, {b.dtype}) and an fp32 recurrent_pool (got {recurrent_pool.dtype})"
         )
     if mixed_qkv.is_cuda and sizes["B"] <= FUSED_MAX_BATCH:
         from pdserve.ops import cuda_gdn_decode

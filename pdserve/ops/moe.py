@@ -22,12 +22,7 @@ def fused_moe(
     K weighted expert rows of each token, [T, K, H] in x's dtype, unsummed (the caller sums them in
     fp32, as `pdserve.ops.add_rms_norm` does).
     """
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError("fused_moe wants x [T, H], w13 [E, 2I, H], w2 [E, H, I]")
-    if w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or 2 * w2.shape[2] != w13.shape[1]:
-        raise ValueError(
-            f"fused_moe shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
-        )
+    _check_experts(x, w13, w2)
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError("topk_ids and topk_weights must both be [T, K]")
     if x.is_cuda:
@@ -58,12 +53,22 @@ def routed_moe(
         raise ValueError(f"routed_moe: logits of {num_columns} for {num_experts} experts and top_k={top_k}")
     if w13.shape[0] != num_columns:
         raise ValueError(f"routed_moe: {w13.shape[0]} experts' weights for logits of {num_columns}")
+    _check_experts(x, w13, w2)
     if x.is_cuda:
         from pdserve.ops.cuda_moe import routed_experts
 
         return routed_experts(x, router_logits, w13, w2, num_experts, top_k, reduce)
     weights, ids = ops.route_topk(router_logits, num_experts, top_k)
     return fused_moe(x, w13, w2, weights, ids, reduce)
+
+
+def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError("fused_moe wants x [T, H], w13 [E, 2I, H], w2 [E, H, I]")
+    if w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or 2 * w2.shape[2] != w13.shape[1]:
+        raise ValueError(
+            f"fused_moe shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+        )
 
 
 def fused_moe_reference(
