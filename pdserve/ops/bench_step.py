@@ -1,5 +1,6 @@
 """Profile one graph-replayed decode step at the full Qwen3.6-35B-A3B shape (random bf16 weights):
-`python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--tag NAME]`.
+`python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--tag NAME]
+[--route-align-up-to N] [--gdn-fused-max-batch N]` (the last two: the decode kernels' switches).
 
 For each batch size `c`: `c` sequences of `--context` tokens (random K/V and GDN states), one decode
 token each, replayed from a CUDA graph. Prints the wall time per step (host input copies + replay),
@@ -93,6 +94,20 @@ def append_json_lines(path: Path | None, rows: list[dict]) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def set_switches(route_align_up_to: int | None, gdn_fused_max_batch: int | None) -> None:
+    """Override the decode kernels' measured switches (only those given: an older checkout lacks them)."""
+    if route_align_up_to is not None:
+        from pdserve.ops import cuda_moe, cuda_route_align
+
+        if not 0 <= route_align_up_to <= cuda_route_align.ROUTE_ALIGN_TOKENS:
+            raise ValueError(f"--route-align-up-to: 0 to {cuda_route_align.ROUTE_ALIGN_TOKENS}")
+        cuda_moe.ROUTE_ALIGN_UP_TO = route_align_up_to
+    if gdn_fused_max_batch is not None:
+        from pdserve.ops import gdn_decode
+
+        gdn_decode.FUSED_MAX_BATCH = gdn_fused_max_batch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 32])
@@ -100,7 +115,16 @@ def main() -> None:
     parser.add_argument("--tag", default="pdserve")
     parser.add_argument("--save-logits", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="append the results as JSON lines here")
+    parser.add_argument(
+        "--route-align-up-to",
+        type=int,
+        default=None,
+        help="cuda_moe.ROUTE_ALIGN_UP_TO for this run (0: off, 32: every decode step)",
+    )
+    parser.add_argument("--gdn-fused-max-batch", type=int, default=None,
+                        help="gdn_decode.FUSED_MAX_BATCH for this run (0: the four unfused ops)")  # fmt: skip
     args = parser.parse_args()
+    set_switches(args.route_align_up_to, args.gdn_fused_max_batch)
     max_c = max(args.concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))
