@@ -17,7 +17,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "check", ["align", "route", "route_align", "conv", "moe", "norms", "gdn_step", "gdn_decode", "attention"]
+    "check",
+    [
+        "align",
+        "route",
+        "route_align",
+        "conv",
+        "skinny",
+        "moe",
+        "norms",
+        "gdn_step",
+        "gdn_decode",
+        "attention",
+    ],
 )
 def test_kernel_matches_reference_under_the_interpreter(check: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}

@@ -16,7 +16,15 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pdserve.ops import cuda_gdn, cuda_gdn_decode, cuda_layers, cuda_norms, cuda_route, cuda_route_align  # noqa: E402
+from pdserve.ops import (  # noqa: E402
+    cuda_gdn,
+    cuda_gdn_decode,
+    cuda_layers,
+    cuda_norms,
+    cuda_route,
+    cuda_route_align,
+    cuda_skinny,
+)
 
 ROUTES = {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64"}
 ROUTE_K = {"TOP_K": 8, "OUT_K": 9, "HAS_SHARED": True, "E_PAD": 256, "K_PAD": 16}
@@ -77,6 +85,13 @@ KERNELS = {
          **{f"stride_{x}": "i32" for x in "qb qh kb kh vb vh gb betab ss sh ob oh".split()},
          "scale": "fp32", "eps": "fp32"},
         {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": 64},
+        4,
+    ),
+    "skinny": (
+        cuda_skinny._skinny_kernel,
+        {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32",
+         **dict.fromkeys("M N K k_split stride_xm stride_wn stride_om stride_os".split(), "i32")},
+        {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "IEEE": False},
         4,
     ),
     "gates_step_norm": (

@@ -91,6 +91,18 @@ def check_route_align(gen: torch.Generator) -> None:
     )
 
 
+def check_skinny(gen: torch.Generator) -> None:
+    """Split-K partials of a decode-sized linear sum to x @ w^T: rows short of a tile, K not a
+    multiple of the splits' share, a split left empty."""
+    from pdserve.ops.cuda_skinny import skinny_linear_parts
+
+    for rows, n, k, splits in [(3, 40, 96, 2), (17, 64, 100, 3), (1, 24, 32, 4)]:
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        parts = skinny_linear_parts(x, w, splits, block_n=16, block_k=16)
+        assert parts.shape == (rows, splits, n)
+        torch.testing.assert_close(parts.sum(dim=1), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
 def check_conv(gen: torch.Generator) -> None:
     """Packed causal conv prefill (sequences shorter and longer than the history), its new history,
     then a decode step on top."""
@@ -272,6 +284,7 @@ CHECKS = {
     "route": check_route,
     "route_align": check_route_align,
     "conv": check_conv,
+    "skinny": check_skinny,
     "moe": check_moe,
     "norms": check_norms,
     "gdn_step": check_gdn_step,
