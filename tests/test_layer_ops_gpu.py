@@ -218,3 +218,29 @@ def test_route_align_equals_route_then_align(tokens: int) -> None:
     want_w, want_ids = route_topk(logits, E, K)
     assert torch.equal(ids, want_ids) and torch.equal(rows, align_pairs(want_ids, E + 1, 16))
     assert rel_err(weights, want_w) < 4e-3  # bf16: a weight may round one ulp apart
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 32])
+def test_skinny_projections_equal_cublas(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the split-K kernel switched on (`pdserve.ops.linear`), a decode step's projections give
+    F.linear's product (in_proj shape) and, through the next add_rms_norm, its normed output and
+    new residual (out_proj shape: fp32 partials summed and rounded once), to bf16 rounding."""
+    from pdserve.ops import linear
+
+    monkeypatch.setattr(linear, "SKINNY_UP_TO", 32)
+    dtype = torch.bfloat16
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=dtype)
+    w_in = torch.randn(12352, HIDDEN, device=DEVICE, dtype=dtype) * 0.02
+    assert rel_err(linear.linear(x, w_in), torch.nn.functional.linear(x, w_in)) < 4e-3
+    o = torch.randn(tokens, 4096, device=DEVICE, dtype=dtype)
+    w_out, norm_w = (
+        torch.randn(HIDDEN, 4096, device=DEVICE, dtype=dtype) * 0.02,
+        torch.randn(HIDDEN, device=DEVICE, dtype=dtype),
+    )
+    parts = linear.linear_to_norm(o, w_out)
+    assert parts.shape == (tokens, linear.SKINNY_SPLITS, HIDDEN) and parts.dtype == torch.float32
+    got = ops.add_rms_norm(parts, x, norm_w, 1e-6)
+    want = ops.add_rms_norm(torch.nn.functional.linear(o, w_out), x, norm_w, 1e-6)
+    cpu = ref.add_rms_norm(parts.cpu(), x.cpu(), norm_w.cpu(), 1e-6)
+    for g, w, c in zip(got, want, cpu, strict=True):
+        assert rel_err(g, w) < 4e-3 and rel_err(g, c.to(DEVICE)) < 4e-3

@@ -92,15 +92,17 @@ def check_route_align(gen: torch.Generator) -> None:
 
 
 def check_skinny(gen: torch.Generator) -> None:
-    """Split-K partials of a decode-sized linear sum to x @ w^T: rows short of a tile, K not a
-    multiple of the splits' share, a split left empty."""
-    from pdserve.ops.cuda_skinny import skinny_linear_parts
+    """Split-K partials of a decode-sized linear sum to x @ w^T (rows short of a tile, K not a
+    multiple of the splits' share, a split left empty); one split is the product itself."""
+    from pdserve.ops.cuda_skinny import skinny_linear
 
     for rows, n, k, splits in [(3, 40, 96, 2), (17, 64, 100, 3), (1, 24, 32, 4)]:
         x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
-        parts = skinny_linear_parts(x, w, splits, block_n=16, block_k=16)
-        assert parts.shape == (rows, splits, n)
+        parts = skinny_linear(x, w, splits, block_n=16, block_k=16)
+        assert parts.shape == (rows, splits, n) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(dim=1), x @ w.T, rtol=1e-5, atol=1e-4)
+    x, w = torch.randn(5, 48, generator=gen), torch.randn(40, 48, generator=gen)
+    torch.testing.assert_close(skinny_linear(x, w, 1, block_n=16, block_k=16), x @ w.T, rtol=1e-5, atol=1e-4)
 
 
 def check_conv(gen: torch.Generator) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve import ops
 from pdserve.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers import RMSNorm, RotaryEmbedding
+from pdserve.ops.linear import linear, linear_to_norm
 
 
 class GatedAttention(nn.Module):
@@ -38,7 +38,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, gate = ops.qk_norm_rope_store(
-            F.linear(x, self.qkv_proj),
+            linear(x, self.qkv_proj),
             self.num_heads,
             self.q_norm.weight,
             self.k_norm.weight,
@@ -58,4 +58,4 @@ class GatedAttention(nn.Module):
             self.scale,
             max_q_len=batch.max_query_len,
         )
-        return F.linear(ops.output_gate(o, gate), self.o_proj)
+        return linear_to_norm(ops.output_gate(o, gate), self.o_proj)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve import ops
@@ -11,6 +10,7 @@ from pdserve.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers import GatedRMSNorm
 from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step
+from pdserve.ops.linear import linear, linear_to_norm
 
 
 class GatedDeltaNet(nn.Module):
@@ -45,13 +45,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
-        mixed_qkv, z, b, a = F.linear(x, self.in_proj).split(self.split, dim=-1)
+        mixed_qkv, z, b, a = linear(x, self.in_proj).split(self.split, dim=-1)
         z = z.view(T, self.num_v_heads, self.head_v_dim)
         if batch.is_decode:  # conv, gates, step and norm: one launch on CUDA
             tensors = GdnTensors(self.conv1d_weight, self.conv_pool, self.A_log, self.dt_bias,
                                  self.recurrent_pool, self.norm.weight, self.norm.eps)  # fmt: skip
             o = gdn_decode_step(mixed_qkv, z, a, b, tensors, batch.state_slots)
-            return F.linear(o, self.out_proj)
+            return linear_to_norm(o, self.out_proj)
         if batch.saves is not None:  # before the conv moves the slots past the save points
             batch.saves.save_conv(mixed_qkv, self.conv_pool)
         mixed_qkv = ops.causal_conv1d_prefill(
@@ -69,4 +69,4 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g, beta, batch.cu_seqlens, self.recurrent_pool, batch.state_slots
             )
         o = self.norm(o, z)
-        return F.linear(o, self.out_proj)
+        return linear_to_norm(o, self.out_proj)

@@ -2,8 +2,8 @@
 
 The four weight shapes a Qwen3.6-35B-A3B decode step multiplies by a few rows (GDN in_proj, attention
 qkv, GDN out_proj and attention o_proj, bf16), at each row count: `F.linear` (cuBLAS) and
-`cuda_skinny.skinny_linear_parts` over a sweep of splits and tiles, each also timed with its
-partials summed by torch (an upper bound: in the model the next `add_rms_norm` would sum them).
+`cuda_skinny.skinny_linear` over a sweep of splits and tiles, each split-K one also timed with its
+partials summed by torch (an upper bound: in the model the next `add_rms_norm` sums them).
 `--rows 4 16 32` (the default). CUDA-event medians of 50 runs (`triton.testing.do_bench`, a cold
 L2 each run), the weight read's achieved bandwidth beside each, every candidate checked against
 cuBLAS.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from pdserve.ops.cuda_skinny import skinny_linear_parts
+from pdserve.ops.cuda_skinny import skinny_linear
 
 SHAPES = {  # name: (N, K)
     "gdn in_proj": (2 * 2048 + 4096 + 4096 + 2 * 32, 2048),
@@ -41,13 +41,17 @@ def sweep(name: str, rows: int) -> None:
         if block_k * splits > k:
             continue
 
-        def parts(s=splits, bn=block_n, bk=block_k, nw=warps) -> torch.Tensor:
-            return skinny_linear_parts(x, w, s, bn, bk, nw)
+        def run(s=splits, bn=block_n, bk=block_k, nw=warps) -> torch.Tensor:
+            return skinny_linear(x, w, s, bn, bk, nw)
 
-        err = (parts().sum(dim=1) - want).abs().max().item() / scale
+        def whole(s=splits, r=run) -> torch.Tensor:
+            return r().float() if s == 1 else r().sum(dim=1)
+
+        err = (whole() - want).abs().max().item() / scale
         label = f"splits {splits} n{block_n} k{block_k} w{warps}"
-        timed.append((do_bench(parts, rep=50), label, err))
-        timed.append((do_bench(lambda p=parts: p().sum(dim=1), rep=50), label + " + torch sum", err))
+        timed.append((do_bench(run, rep=50), label, err))
+        if splits > 1:
+            timed.append((do_bench(whole, rep=50), label + " + torch sum", err))
     timed.sort()
     print(f"\n{name} [{n} x {k}], {rows} rows ({gbytes * 1e3:.1f} MB of weight):")
     for ms, label, err in timed[:8]:

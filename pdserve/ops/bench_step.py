@@ -1,6 +1,7 @@
 """Profile one graph-replayed decode step at the full Qwen3.6-35B-A3B shape (random bf16 weights):
 `python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--tag NAME]
-[--route-align-up-to N] [--gdn-fused-max-batch N]` (the last two: the decode kernels' switches).
+[--route-align-up-to N] [--gdn-fused-max-batch N] [--skinny-up-to N] [--skinny-splits S]` (the
+last four: the decode kernels' switches).
 
 For each batch size `c`: `c` sequences of `--context` tokens (random K/V and GDN states), one decode
 token each, replayed from a CUDA graph. Prints the wall time per step (host input copies + replay),
@@ -108,6 +109,15 @@ def set_switches(route_align_up_to: int | None, gdn_fused_max_batch: int | None)
         gdn_decode.FUSED_MAX_BATCH = gdn_fused_max_batch
 
 
+def set_skinny(up_to: int | None, splits: int | None) -> None:
+    """Override `pdserve.ops.linear`'s switches (only those given)."""
+    if up_to is not None or splits is not None:
+        from pdserve.ops import linear
+
+        linear.SKINNY_UP_TO = linear.SKINNY_UP_TO if up_to is None else up_to
+        linear.SKINNY_SPLITS = linear.SKINNY_SPLITS if splits is None else splits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 32])
@@ -121,10 +131,22 @@ def main() -> None:
         default=None,
         help="cuda_moe.ROUTE_ALIGN_UP_TO for this run (0: off, 32: every decode step)",
     )
-    parser.add_argument("--gdn-fused-max-batch", type=int, default=None,
-                        help="gdn_decode.FUSED_MAX_BATCH for this run (0: the four unfused ops)")  # fmt: skip
+    parser.add_argument(
+        "--gdn-fused-max-batch",
+        type=int,
+        default=None,
+        help="gdn_decode.FUSED_MAX_BATCH for this run (0: the four unfused ops)",
+    )
+    parser.add_argument(
+        "--skinny-up-to",
+        type=int,
+        default=None,
+        help="linear.SKINNY_UP_TO for this run (0: cuBLAS; 32: Triton split-K at c <= 32)",
+    )
+    parser.add_argument("--skinny-splits", type=int, default=None, help="linear.SKINNY_SPLITS, this run")
     args = parser.parse_args()
     set_switches(args.route_align_up_to, args.gdn_fused_max_batch)
+    set_skinny(args.skinny_up_to, args.skinny_splits)
     max_c = max(args.concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))

@@ -76,7 +76,8 @@ def add_rms_norm(
         parts3, residual, weight, out, new_residual,
         parts3.stride(0), parts3.stride(1), residual.stride(0), out.stride(0), new_residual.stride(0),
         dim, eps,
-        NUM_PARTS=parts3.shape[1], SUM_ROUNDS=parts3.shape[1] > 1, HAS_RESIDUAL=True, **_row_launch(dim),
+        NUM_PARTS=parts3.shape[1], SUM_ROUNDS=parts3.shape[1] > 1 or parts3.dtype != residual.dtype,
+        HAS_RESIDUAL=True, **_row_launch(dim),
     )  # fmt: skip
     return out, new_residual
 

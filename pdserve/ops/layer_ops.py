@@ -39,8 +39,9 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sublayer's output added to the residual stream, then the next zero-centred RMSNorm.
 
-    parts: [T, D] (one output) or [T, P, D] (P outputs summed in fp32 and rounded to residual's
-    dtype: the MoE's weighted expert rows); residual: [T, D].
+    parts: [T, D] (one output, in residual's dtype) or [T, P, D] (P outputs summed in fp32 and rounded
+    to residual's dtype: the MoE's weighted expert rows, a projection's split-K partials); residual:
+    [T, D].
     Returns (normed [T, D], the new residual [T, D] = residual + sum(parts), in residual's dtype).
     """
     shapes = Shapes("add_rms_norm")
