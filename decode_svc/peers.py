@@ -8,6 +8,11 @@ A restarted instance has a new incarnation: its older agent is dropped when the 
 and any agent whose transfer failed is forgotten, so the next request handshakes again.
 The registry's view is refreshed in the background (`KNOWN_REFRESH_S`) and its last answer kept:
 with Redis away, a peer met for the first time is still found (serving goes on without Redis).
+The gRPC clients (`pdserve.instance_clients`, as the router's) follow that view: each refresh
+closes the client of every address no longer registered (a peer restarted on a new port, expired,
+removed) once its last call in flight (a handshake, a lease release, a pin) has ended; a call in
+flight is never cut, and a late call to a connected peer that left opens one for its duration.
+A refresh that fails (Redis away) closes nothing.
 """
 
 from __future__ import annotations
@@ -15,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.rpc import RpcClient
+from pdserve.instance_clients import InstanceClient, InstanceClients, client_key
 from pdserve.serving import EngineHost
 
 log = logging.getLogger(__name__)
 ENDPOINT_TIMEOUT_S = 10.0
 KNOWN_REFRESH_S = 1.0
-SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}
 
 
 def instance_of(agent: str) -> str:
@@ -36,10 +40,10 @@ class PeerDirectory:
     def __init__(self, host: EngineHost, roles: tuple[str, ...] = ("prefill",)) -> None:
         self.host = host
         self.roles = roles
-        self._addresses: dict[str, tuple[str, str]] = {}  # connected agent -> (address, service)
-        self._clients: dict[tuple[str, str], RpcClient] = {}
+        self._addresses: dict[str, tuple[str, str]] = {}  # connected agent -> (role, address)
+        self.clients = InstanceClients()  # those of addresses left closed once their calls end
         self._lock = asyncio.Lock()
-        self._known: dict[str, tuple[str, str]] = {}  # agent -> (address, service), last registry view
+        self._known: dict[str, tuple[str, str]] = {}  # agent -> (role, address), last registry view
         self._refresher: asyncio.Task | None = None
         try:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
@@ -52,7 +56,7 @@ class PeerDirectory:
             if agent in self._addresses:
                 return agent
             address = await self._lookup(agent)
-            endpoint = await self._client(*address).unary("endpoint", {}, timeout=ENDPOINT_TIMEOUT_S)
+            endpoint = await self.clients.client(*address).unary("endpoint", {}, timeout=ENDPOINT_TIMEOUT_S)
             if endpoint.get("agent") != agent:
                 raise LookupError(f"{address} no longer runs agent {agent!r}")
             for old in [a for a in self._addresses if instance_of(a) == instance_of(agent)]:
@@ -62,12 +66,12 @@ class PeerDirectory:
             self._addresses[agent] = address
             return peer
 
-    def client(self, agent: str) -> RpcClient:
-        """The gRPC client of a connected agent's instance."""
+    def client(self, agent: str) -> InstanceClient:
+        """The gRPC client of a connected agent's instance (`unary`, `stream`)."""
         address = self._addresses.get(agent)
         if address is None:
             raise LookupError(f"agent {agent!r} is not connected")
-        return self._client(*address)
+        return self.clients.client(*address)
 
     def forget(self, agent: str) -> None:
         """Drop a peer (on the engine thread): after a failure, or when it was restarted."""
@@ -82,20 +86,29 @@ class PeerDirectory:
         if self.host.registry is None:
             raise LookupError("no registry configured: peer instances cannot be found")
         try:
-            await self._refresh()
+            await self.refresh()
         except Exception as e:  # Redis away: the last view it gave
             log.warning("registry unreachable (%s); looking %s up in its last view", e, agent)
         if agent in self._known:
             return self._known[agent]
         raise LookupError(f"agent {agent!r} is not in the registry ({'/'.join(self.roles)})")
 
-    async def _refresh(self) -> None:
+    async def refresh(self) -> None:
+        """Read the registry's peers; close the idle clients of addresses it no longer lists
+        (the busy ones when their last call ends). Raises when Redis cannot be read."""
         known: dict[str, tuple[str, str]] = {}
         for role in self.roles:
             for info in await self.host.registry.instances(role):
                 if info.extra.get("agent"):
-                    known.setdefault(info.extra["agent"], (info.address, SERVICES[role]))
+                    known.setdefault(info.extra["agent"], (role, info.address))
         self._known = known
+        self.clients.keep({client_key(role, address) for role, address in known.values()})
+
+    async def close(self) -> None:
+        """Stop refreshing and close every client (calls still in flight on them are cancelled)."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+        await self.clients.close()
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -103,11 +116,6 @@ class PeerDirectory:
             if self.host.registry is None:
                 return
             try:
-                await self._refresh()
+                await self.refresh()
             except Exception:  # Redis away: keep the last view (the heartbeat logs the outage)
                 pass
-
-    def _client(self, address: str, service: str) -> RpcClient:
-        if (address, service) not in self._clients:
-            self._clients[address, service] = RpcClient(address, service)
-        return self._clients[address, service]

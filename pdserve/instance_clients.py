@@ -1,18 +1,21 @@
-"""The router's gRPC clients, one per registered instance address, closed once it has left.
+"""gRPC clients of peer instances, one per registered address, closed once it has left.
 
+Shared by the router (`router/instances.py`: the prefill and decode instances it sends work to)
+and the decode role (`decode_svc/peers.py`: the prefill instances holding the states it READs).
 A service restarted on a new port, or gone from the registry (heartbeat expired, removed),
-leaves a client behind; a long-running router whose services restart would keep every one of
+leaves a client behind; a long-running process whose peers restart would keep every one of
 them open (a channel, its socket, its reconnect attempts). So:
 
 - `client(role, address)` hands out an `InstanceClient`; every call through it (unary or
   stream) counts as in flight on that address's `RpcClient` from its start to its end.
 - `keep(keys)`, after each registry refresh, closes the clients of addresses not registered any
   more that have nothing in flight. One that has calls in flight is closed when its last call
-  ends: the router never cancels a call itself, so a call to an instance that just died fails
-  as before (keepalive: UNAVAILABLE within a few seconds), and one to an instance that left the
-  registry but still answers finishes.
+  ends: no call is ever cancelled here, so a call to an instance that just died fails as before
+  (keepalive: UNAVAILABLE within a few seconds), and one to an instance that left the registry
+  but still answers finishes.
 - A call to an address that has left (a late lease release or abort) opens a client again for
   its duration.
+Not thread-safe: every call, `keep` and `close` run on the one event loop of their process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdserve.rpc import RpcClient
+
+SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}  # registry role -> gRPC service
 
 
 def client_key(role: str, address: str) -> str:
@@ -39,13 +44,14 @@ class _Open:
 class InstanceClients:
     """The open clients by `client_key`; `services` maps a role to its gRPC service name."""
 
-    def __init__(self, services: dict[str, str]) -> None:
+    def __init__(self, services: dict[str, str] = SERVICES) -> None:
         self._services = services
         self._open: dict[str, _Open] = {}
         self._kept: frozenset[str] = frozenset()
         self._closing: set[asyncio.Task] = set()
 
     def client(self, role: str, address: str) -> InstanceClient:
+        """The client of the `role` instance at `address` (its channel opens with its first call)."""
         return InstanceClient(self, role, address)
 
     def keys(self) -> set[str]:
@@ -86,7 +92,7 @@ class InstanceClients:
 
 
 class InstanceClient:
-    """One instance's client as `InstanceSet.client` hands it out: `unary` and `stream` as
+    """One instance's client as `InstanceClients.client` hands it out: `unary` and `stream` as
     `RpcClient`'s, each keeping the address's channel open until it ends."""
 
     def __init__(self, clients: InstanceClients, role: str, address: str) -> None:

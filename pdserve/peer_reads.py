@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtransfer import TransferHandle, TransferState
-from pdserve.rpc import RpcClient
+from pdserve.instance_clients import InstanceClient
 from pdserve.serving import EngineHost
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class Peers(Protocol):
 
     def forget(self, agent: str) -> None: ...
 
-    def client(self, agent: str) -> RpcClient: ...
+    def client(self, agent: str) -> InstanceClient: ...
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ Refreshed in the background; an instance whose heartbeat expires drops out. An i
 router could not reach is set aside locally until the registry shows a fresh heartbeat.
 Choice: least load (registry load + this router's requests in flight there).
 Each refresh also closes the gRPC clients of addresses no longer registered (a service restarted
-on a new port, expired, removed) once their calls in flight have ended (router/instance_clients.py),
+on a new port, expired, removed) once their calls in flight have ended (pdserve/instance_clients.py),
 and forgets what it counted for instances that left.
 """
 
@@ -15,13 +15,12 @@ import logging
 import time
 from collections import defaultdict
 
+from pdserve.instance_clients import SERVICES, InstanceClient, InstanceClients, client_key
 from pdserve.registry import InstanceInfo, InstanceRegistry
-from router.instance_clients import InstanceClient, InstanceClients, client_key
 from router.metrics import RouterMetrics
 from router.prefix_metrics import PrefixCacheMetrics
 
 log = logging.getLogger("pdserve.router")
-SERVICES = {"prefill": "pdserve.Prefill", "decode": "pdserve.Decode"}
 SET_ASIDE_S = 5.0
 REREGISTER_S = 3.0  # after a Redis restart, instances re-register within a heartbeat TTL
 PREFER_SLACK = 16  # requests a prefix-cache owner may be busier than the least loaded instance

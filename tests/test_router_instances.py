@@ -1,4 +1,4 @@
-"""The router's gRPC clients of the instances (router/instances.py, router/instance_clients.py),
+"""The router's gRPC clients of the instances (router/instances.py, pdserve/instance_clients.py),
 on loopback with a real redis-server and real gRPC servers: after instances restart on new
 ports or leave the registry, the router holds channels and sockets only for the live ones; a
 call in flight to one that left is never cut by the router (it flows on while the instance
@@ -61,9 +61,10 @@ async def serve_until_killed() -> None:
 
 
 def open_channels() -> int:
-    """The gRPC channels alive in this process."""
+    """The gRPC channels alive in this process (by type: `isinstance` would read `__class__`,
+    which some of torch's deprecated objects warn about)."""
     gc.collect()
-    return sum(isinstance(o, grpc.aio.Channel) for o in gc.get_objects())
+    return sum(issubclass(type(o), grpc.aio.Channel) for o in gc.get_objects())
 
 
 def connected_ports(ports: set[int]) -> set[int]:
@@ -76,6 +77,7 @@ def connected_ports(ports: set[int]) -> set[int]:
 
 
 async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether `check()` holds within `timeout` seconds (polled every 50 ms)."""
     deadline = time.monotonic() + timeout
     while not check() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -130,9 +132,6 @@ def test_restarted_and_removed_instances_leave_no_client_behind(redis_url: str) 
             assert await eventually(lambda: open_channels() == baseline)
 
     asyncio.run(main())
-
-
-PEER = "import asyncio, tests.test_router_instances as t; asyncio.run(t.serve_until_killed())"
 
 
 async def stream_until_it_fails(
