@@ -89,7 +89,7 @@ async def stream_choices(
     """Step 6, stream=true: the SSE events, an error event when a choice fails, then [DONE]."""
     try:
         for chunk in fmt.head_chunks(choices):
-            yield sse(chunk)
+            yield sse(fmt.with_running_usage(chunk, choices))
         remaining = len(choices)
         while True:
             index, event = item
@@ -99,7 +99,7 @@ async def stream_choices(
                 break
             choices[index].add(event)
             if (chunk := fmt.event_chunk(choices[index], event)) is not None:
-                yield sse(chunk)
+                yield sse(fmt.with_running_usage(chunk, choices))
             remaining -= event.finished
             if not remaining:
                 if fmt.include_usage:

@@ -195,6 +195,7 @@ class OpenAIRouter:
         if body.n * len(prompts) > MAX_CHOICES:
             raise OpenAIError(f"n x prompts must be at most {MAX_CHOICES}", param="n")
         max_model_len, vocab_size = self.backend.max_model_len(), self.tokenizer.vocab_size
+        fmt.continuous_usage = body.continuous_usage
         requests, choices = [], []
         for ids, echo in prompts:
             max_tokens = body.max_tokens_for(len(ids), max_model_len)

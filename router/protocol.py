@@ -117,6 +117,11 @@ class OpenAIRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: every chunk of a choice carries that choice's usage so far."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
 

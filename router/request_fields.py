@@ -95,3 +95,4 @@ Content = Annotated[str | list[ContentPart] | None, _one_of("a string or a list 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk's running usage

@@ -116,6 +116,7 @@ class ResponseFormat:
         self.tokenizer = tokenizer
         self.n = n
         self.include_usage = include_usage
+        self.continuous_usage = False  # set by the handler: stream_options.continuous_usage_stats
 
     def new_choice(self, index: int, prompt_tokens: int, prefix: str = "") -> Choice:
         return Choice(index=index, prompt_tokens=prompt_tokens, prefix=prefix)
@@ -137,6 +138,19 @@ class ResponseFormat:
         if self.include_usage:
             body["usage"] = None
         return body
+
+    def with_running_usage(self, chunk: dict, choices: list[Choice]) -> dict:
+        """`chunk` with vLLM's continuous usage when asked for: its choice's prompt and output
+        tokens so far (each choice counted alone, its prompt with it)."""
+        if self.continuous_usage and len(chunk["choices"]) == 1:
+            choice = choices[chunk["choices"][0]["index"]]
+            total = choice.prompt_tokens + choice.num_tokens
+            chunk["usage"] = {
+                "prompt_tokens": choice.prompt_tokens,
+                "completion_tokens": choice.num_tokens,
+                "total_tokens": total,
+            }
+        return chunk
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         return {**self.chunk([]), "usage": usage(choices, self.n)}

@@ -76,12 +76,6 @@ def refuse_unsupported(data: Any, endpoint: str) -> None:
     """A 400 for the first field of `data` (a request's JSON) that asks for what is not built."""
     if not isinstance(data, dict):
         return
-    options = data.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats") is True:
-        name = "stream_options.continuous_usage_stats"
-        raise OpenAIError(
-            f"{name} is not supported yet (include_usage sends usage at the end)", param=name, code=CODE
-        )
     refused = REFUSED[endpoint]
     for name, value in data.items():
         if name in refused and not _neutral(name, value, data):

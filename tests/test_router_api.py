@@ -71,6 +71,32 @@ def test_chat_stream_matches_offline(client: openai.OpenAI, offline: LLM) -> Non
     assert all(c.usage is None for c in body)
 
 
+def test_continuous_usage_stats(client: openai.OpenAI, offline: LLM) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk of a choice carries that choice's
+    usage so far (the role chunk: no output yet), the last chunk the request's totals."""
+    prompt_tokens = len(offline.tokenizer.encode(chat_prompt(offline)))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, n=2, stream=True, stream_options=options
+    )
+    *body, last = list(stream)
+    assert last.choices == [] and last.usage.completion_tokens == 8
+    seen = {0: [], 1: []}
+    for c in body:
+        assert c.usage.prompt_tokens == prompt_tokens
+        assert c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens
+        seen[c.choices[0].index].append(c.usage.completion_tokens)
+    assert all(counts[0] == 0 and counts[-1] == 4 and counts == sorted(counts) for counts in seen.values())
+    cmpl = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, stream=True, stream_options=options
+    )
+    assert [c.usage.completion_tokens for c in cmpl if c.choices] == [1, 2, 3]
+    plain = client.completions.create(  # without include_usage it asks for nothing, as in vLLM
+        model=MODEL, prompt=PROMPT, max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}
+    )
+    assert all(c.usage is None for c in plain)
+
+
 def test_completions_match_offline(client: openai.OpenAI, offline: LLM) -> None:
     text, _, _ = reference(offline, PROMPT)
     ids = offline.tokenizer.encode(PROMPT)

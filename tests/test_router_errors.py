@@ -99,8 +99,6 @@ NOT_BUILT = [
     (CHAT_PATH, {"echo": True}, "echo"),
     (CHAT_PATH, {"bad_words": ["x"]}, "bad_words"),
     (CHAT_PATH, {"chat_template": "{{ messages }}"}, "chat_template"),
-    (CHAT_PATH, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
     # neutral values and informational fields pass
     (CHAT_PATH, {"logit_bias": {}, "response_format": {"type": "text"}, "modalities": ["text"]}, None),
     (COMPLETIONS_PATH, {"best_of": 1, "echo": False, "suffix": None, "prompt_logprobs": None}, None),
