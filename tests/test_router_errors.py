@@ -99,6 +99,17 @@ NOT_BUILT = [
     (CHAT_PATH, {"echo": True}, "echo"),
     (CHAT_PATH, {"bad_words": ["x"]}, "bad_words"),
     (CHAT_PATH, {"chat_template": "{{ messages }}"}, "chat_template"),
+    # JSON-schema keywords xgrammar drops without a word: refused, never answered unchecked
+    (CHAT_PATH, {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format"),
+    (COMPLETIONS_PATH, {"structured_outputs": {"json": {"type": "object", "properties": {
+        "a": {"not": {"type": "string"}}}}}}, "structured_outputs"),
+    (CHAT_PATH, {"guided_json": json.dumps({"$defs": {"D": {"type": "object", "if": {"required": ["a"]}}},
+        "$ref": "#/$defs/D"})}, "guided_json"),
+    (COMPLETIONS_PATH, {"guided_json": {"type": "number", "multipleOf": 0.5}}, "guided_json"),
+    # ... but a property named like one, or a value that holds one, is data
+    (CHAT_PATH, {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "object", "properties": {"not": {"enum": [{"uniqueItems": True}]}}}}}}, None),
     # neutral values and informational fields pass
     (CHAT_PATH, {"logit_bias": {}, "response_format": {"type": "text"}, "modalities": ["text"]}, None),
     (COMPLETIONS_PATH, {"best_of": 1, "echo": False, "suffix": None, "prompt_logprobs": None}, None),
