@@ -170,6 +170,15 @@ def tool_call_spec(
     """The structural tag of `tool_choice` "required" (`forced` None) or a named function."""
     make = _hermes_call if tool_call_parser == "hermes" else _xml_call
     functions = [t["function"] for t in tools if forced is None or t["function"]["name"] == forced]
+    for f in functions:
+        if (where := unenforced_keyword(f.get("parameters"))) is not None:
+            raise OpenAIError(
+                f"tools: the parameters of {f['name']!r} have the JSON schema keyword {where}, which a "
+                "forced call (tool_choice required or named) does not support yet: the grammar would "
+                "not hold its arguments to it",
+                param="tools",
+                code="unsupported_parameter",
+            )
     calls = [make(f["name"], f.get("parameters") or {}) for f in functions]
     if forced is not None:
         fmt = calls[0]

@@ -30,6 +30,11 @@ def post(routers: ScriptedRouters, name: str, body: dict) -> httpx.Response:
     return httpx.post(f"{client.base_url}chat/completions", json={"model": MODEL, "messages": CHAT, **body})
 
 
+UNIQUE_XS = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+UNIQUE_TOOL = {
+    "type": "function",
+    "function": {"name": "pick", "parameters": {"type": "object", "properties": {"xs": UNIQUE_XS}}},
+}
 REFUSED = [
     ("qwen3_coder", {"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ("qwen3_coder", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
@@ -38,6 +43,11 @@ REFUSED = [
     ("plain", {"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
     ("qwen3_coder", {"chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs", "does not read"),
     ("qwen3_coder", {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "cannot set"),
+    # a forced call's arguments are held to its schema: a keyword xgrammar drops is refused
+    ("hermes", {"tools": [UNIQUE_TOOL], "tool_choice": "required"}, "tools",
+     "'uniqueItems' at #/properties/xs"),
+    ("qwen3_coder", {"tools": [WEATHER, UNIQUE_TOOL], "tool_choice": {"type": "function",
+        "function": {"name": "pick"}}}, "tools", "not support yet"),
     ("qwen3_coder", {"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages.0.tool_calls.0.function.arguments", "not valid JSON"),
