@@ -59,6 +59,7 @@ _PASSED_ON = (
     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
     "prompt_logprobs", "allowed_token_ids",
 )  # fmt: skip
+NULL_IS_DEFAULT = ("n", "stream", "logprobs", "echo")  # nullable in OpenAI's API, not null-typed here
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -105,6 +106,9 @@ class OpenAIRequest(BaseModel):
         if (where := lone_surrogate_at(data)) is not None:
             raise ValueError(f"{where} is not valid Unicode (a lone surrogate)")
         refuse_unsupported(data, cls.endpoint)  # an OpenAIError: pydantic passes it on as it is
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_IS_DEFAULT):
+            # OpenAI's API (and vLLM's Optional fields) take null for these: the default, as if unsent
+            data = {k: v for k, v in data.items() if not (k in NULL_IS_DEFAULT and v is None)}
         if (
             isinstance(data, dict)
             and data.get("stream_options") is not None

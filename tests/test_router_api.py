@@ -97,6 +97,21 @@ def test_continuous_usage_stats(client: openai.OpenAI, offline: LLM) -> None:
     assert all(c.usage is None for c in plain)
 
 
+def test_null_means_default(server: str) -> None:
+    """n, stream, logprobs and echo are nullable in OpenAI's API (and vLLM's): null is the default,
+    as clients generated from the OpenAPI spec send it, never a 400."""
+    nulls = {"n": None, "stream": None, "logprobs": None}
+    bodies = {
+        "/v1/chat/completions": {"model": MODEL, "messages": CHAT, "max_tokens": 2, **nulls},
+        "/v1/completions": {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": None, **nulls},
+    }
+    for path, body in bodies.items():
+        response = httpx.post(server + path, json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        (choice,) = response.json()["choices"]
+        assert choice["logprobs"] is None and choice["finish_reason"] == "length"
+
+
 def test_completions_match_offline(client: openai.OpenAI, offline: LLM) -> None:
     text, _, _ = reference(offline, PROMPT)
     ids = offline.tokenizer.encode(PROMPT)
