@@ -73,6 +73,7 @@ class OpenAIRequest(BaseModel):
     min_max_tokens: ClassVar[int] = 1  # completions: 0 (a log-likelihood: the prompt's logprobs only)
 
     model: str | None = None  # None: the served model (vLLM's leniency; OpenAI requires it)
+    user: str | None = None  # informational, ignored; a string in OpenAI's API and vLLM's (else a 400)
     n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -63,6 +63,8 @@ CHAT_OK = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
         ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "vocabulary"),
         ("/v1/completions", {"model": MODEL, "prompt": [10**9], "stream": True}, 400, "vocabulary"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens must be"),
+        # informational, yet typed (as OpenAI and vLLM answer it)
+        ("/v1/chat/completions", {**CHAT_OK, "user": 5}, 400, "user: Input should be a valid string"),
         # vLLM's 400 too: usage options for a stream that is not one
         (
             "/v1/chat/completions",
