@@ -48,7 +48,7 @@ from router.batch_encode import EncodeBatcher
 from router.chat_output import ChatParsingConfig, OutputParsing, tags_decode_to_nothing
 from router.chat_template import render_chat
 from router.drain import Drain
-from router.errors import OpenAIError
+from router.errors import BackendError, OpenAIError
 from router.generation import Generations
 from router.metrics import RouterMetrics
 from router.prompt_chars import max_chars_per_token_async
@@ -211,4 +211,10 @@ class OpenAIRouter:
                 req_id = f"{fmt.id}-{len(requests)}"
                 requests.append(GenerateRequest(req_id, ids, replace(params, n=1, seed=seed)))
                 choices.append(fmt.new_choice(len(choices), len(ids), echo))
-        return await self.generations.answer(request, body.stream, fmt, requests, choices, arrival)
+        try:
+            return await self.generations.answer(request, body.stream, fmt, requests, choices, arrival)
+        except BackendError as e:  # the engine's compile error names its spec kind, not the field
+            field = body.structured_field()
+            if e.status != 400 or field is None or not e.message.startswith("structured_outputs "):
+                raise
+            raise OpenAIError(f"{field}: {e.message}", param=field) from e

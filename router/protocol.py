@@ -151,6 +151,13 @@ class OpenAIRequest(BaseModel):
             )
         return room if requested is None else requested
 
+    def structured_field(self) -> str | None:
+        """The field the request's structured output came from (None: none, or a tool grammar)."""
+        fields = ("response_format", "structured_outputs", *GUIDED_FIELDS)
+        text = isinstance(self.response_format, dict) and self.response_format.get("type") == "text"
+        given = [name for name in fields if getattr(self, name) is not None]
+        return next((name for name in given if not (name == "response_format" and text)), None)
+
     def structured_outputs_spec(self, chat_parsing: ChatParsingConfig | None) -> dict[str, Any] | None:
         """The one structured output the request asks for (router.structured), or None."""
         return one_spec(

@@ -293,4 +293,17 @@ def test_a_grammar_that_does_not_compile_is_a_400(routers: dict[str, openai.Open
         routers["qwen3_coder"].completions.create(
             model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "(unclosed"}
         )
-    assert "does not compile" in e.value.response.json()["error"]["message"]
+    error = e.value.response.json()["error"]
+    assert "does not compile" in error["message"] and error["param"] == "guided_regex", error
+    schema = {"name": "s", "schema": {"type": "wat"}}  # the param names the field the spec came from
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            routers["qwen3_coder"].chat.completions.create(
+                model=MODEL,
+                messages=CHAT,
+                max_tokens=4,
+                stream=stream,
+                response_format={"type": "json_schema", "json_schema": schema},
+            )
+        error = e.value.response.json()["error"]
+        assert error["param"] == "response_format" and error["message"].startswith("response_format: "), error
