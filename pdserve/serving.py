@@ -28,7 +28,7 @@ from pdserve.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.warmup import warm_up
+from pdserve.engine.warmup import warm_up, warm_up_grammars
 from pdserve.ops import compile_watch
 from pdserve.registry import HEARTBEAT_S, InstanceRegistry
 from pdserve.serving_stats import STATS_INTERVAL_S, ServingStats
@@ -193,6 +193,7 @@ class EngineHost:
                 len(built),
                 sum(c.seconds for c in built),
             )
+        warm_up_grammars(self.engine)  # before any request: its build would stall the event loop
         self.engine.scheduler.lease_ttl_s = config.handoff_timeout_s
         self.incarnation = secrets.token_hex(4)
         agent_name = f"{config.instance_id}#{self.incarnation}"

@@ -77,9 +77,25 @@ def test_warm_up_runs_every_pass_and_leaves_nothing(
     monkeypatch.setattr(cache, "commit_save", lambda seq, *a: (saved.append(a[-1]), commit(seq, *a))[1])
     seen: list[str] = []
     warm_up(engine, seen.append)
-    assert len(seen) == len(passes) + 1 and "grammar tokenizer ready" in seen[-1]  # then xgrammar
+    assert len(seen) == len(passes)
     assert "resume" in saved  # saved inside a pass, at the generation prompt
     assert "resume" in restored  # follow-up turns started from that checkpoint
     assert not cache.entries and cache.stats.report() == type(cache.stats)().report()
     assert_no_leaks(engine)  # (clears the cache first: its entries are checked above)
     assert cache.resume_suffixes == []  # set by the serving roles, not by warm-up
+
+
+def test_grammars_are_built_before_a_service_takes_requests(tiny_model_dir) -> None:
+    """Every service builds structured outputs' vocabulary at start, on CPU too: built by the
+    first structured request on the engine thread it stalled the event loop past the heartbeat's
+    expiry (the router then dropped the instance and answered 503)."""
+    from pdserve.config import EngineConfig
+    from pdserve.sampling import grammar
+    from pdserve.serving import EngineHost, ServiceConfig
+
+    engine = EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=256)
+    host = EngineHost(ServiceConfig(engine=engine, instance_id="grammars"), nixl=False)
+    try:
+        assert id(host.engine.tokenizer) in grammar._by_tokenizer
+    finally:
+        host.agent.close()

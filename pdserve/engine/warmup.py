@@ -102,8 +102,18 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
         if cache is not None:
             cache.clear()  # warm-up prompts are nobody's prefix, and their hits nobody's figures
             cache.stats = PrefixStats()
-    if engine.tokenizer is not None:  # structured outputs' view of the vocabulary (~3 s, once)
-        from pdserve.sampling.grammar import tokenizer_grammars  # xgrammar (and transformers): 0.9 s
 
-        tokenizer_grammars(engine.tokenizer)
-        progress(f"warm-up: grammar tokenizer ready ({time.monotonic() - start:.0f} s)")
+
+def warm_up_grammars(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> None:
+    """Structured outputs' view of the vocabulary (xgrammar's TokenizerInfo), built before a
+    service takes requests, on every device: ~3 s on a 2-core machine, most of it native code that
+    holds the GIL (the service's event loop stalled ~1 s at a time). Built by the first structured
+    request instead, on the engine thread, it stalled the loop long enough (7.7 s, CPU) for the
+    instance's heartbeat to expire: the router dropped it and answered 503."""
+    if engine.tokenizer is None:
+        return
+    start = time.monotonic()
+    from pdserve.sampling.grammar import tokenizer_grammars  # xgrammar (and transformers): ~1 s
+
+    tokenizer_grammars(engine.tokenizer)
+    progress(f"warm-up: grammar tokenizer ready ({time.monotonic() - start:.1f} s)")
