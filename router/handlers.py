@@ -54,7 +54,8 @@ from router.metrics import RouterMetrics
 from router.prompt_chars import max_chars_per_token_async
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from router.request_fields import check_token_ids
-from router.responses import ChatFormat, CompletionFormat, ResponseFormat
+from router.response_formats import ChatFormat, CompletionFormat
+from router.responses import ResponseFormat
 from router.tools import resolve_tools, tool_choice_kind
 
 MAX_CHOICES = 256  # prompts x n of one request (n=200 must work): a typo must not queue millions
