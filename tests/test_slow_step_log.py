@@ -3,12 +3,13 @@ traffic); a fast one is not."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import engine_thread
+from pdserve.engine import engine_thread, step_log
 from pdserve.engine.engine_thread import EngineThread
 from tests.helpers import random_prompts
 
@@ -32,3 +33,25 @@ def test_slow_step_warning_names_the_pass(
     while engine.has_unfinished():
         thread._safe_step()
     assert "0 decoding, 1 prefill chunks of 37 tokens (longest 37)" in caplog.text
+
+
+def test_step_log_has_a_line_per_pass(plain_llm: LLM, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """PDSERVE_STEP_LOG: one JSON line for each step that launched a pass, with its shape."""
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(step_log.ENV, str(path))
+    engine = plain_llm.engine
+    thread = EngineThread(engine, on_outputs=lambda outputs: None, on_error=lambda ids, why: None)
+    prompts = random_prompts((37, 20), seed=52)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        thread._safe_step()
+        steps += 1
+    thread.step_log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert 2 <= len(lines) <= steps
+    assert (lines[0]["decode"], lines[0]["chunks"], lines[0]["tokens"]) == (0, 2, 57)
+    assert all(line["decode"] == 2 and line["chunks"] == 0 for line in lines[1:])
+    assert all(line["s"] >= 0 and line["t"] > 0 for line in lines)
+    assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)

@@ -22,6 +22,7 @@ from typing import Any
 
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.scheduler import describe_pass
+from pdserve.engine.step_log import StepLog
 from pdserve.ops import compile_watch
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class EngineThread:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.step_log = StepLog()  # PDSERVE_STEP_LOG: a line a step (off by default)
 
     def start(self) -> None:
         self._thread.start()
@@ -58,6 +60,8 @@ class EngineThread:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.step_log.close()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the engine thread between steps; its exception is raised here."""
@@ -136,6 +140,7 @@ class EngineThread:
             return True
         took = time.perf_counter() - start
         self.on_step(took)
+        self.step_log.record(start, took, self.engine.last_pass, self.engine.scheduler)
         compiled = compile_watch.take()  # Triton kernels built in this step (with the watch on)
         if took > SLOW_STEP_S or compiled:
             s = self.engine.scheduler

@@ -1,7 +1,9 @@
 """Profile one graph-replayed decode step at the full Qwen3.6-35B-A3B shape (random bf16 weights):
 `python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--tag NAME]
-[--route-align-up-to N] [--gdn-fused-max-batch N] [--skinny-up-to N] [--skinny-splits S]` (the
-last four: the decode kernels' switches).
+[--route-align-up-to N] [--gdn-fused-max-batch N] [--skinny-up-to N] [--skinny-splits S]
+[--variants NAME:route=N,gdn=N,skinny=N,splits=S ...]` (the four switches set the decode kernels'
+paths for the run; each variant, on the same weights and inputs, captures its graphs again with its
+switches and has its logits compared with the first variant's).
 
 For each batch size `c`: `c` sequences of `--context` tokens (random K/V and GDN states), one decode
 token each, replayed from a CUDA graph. Prints the wall time per step (host input copies + replay),
@@ -50,12 +52,7 @@ def kernel_table(prof: torch.profiler.profile, steps: int) -> tuple[float, float
     return sum(r[1] for r in rows) / 1e3, sum(r[2] for r in rows), rows
 
 
-def profile(runner: ModelRunner, graphs: DecodeGraphs, concurrency: int, context: int, save: Path | None,
-            tag: str) -> dict:  # fmt: skip
-    batch = decode_batch(runner, concurrency, context)
-    logits = graphs.replay(batch).float().cpu()
-    if save is not None:
-        torch.save(logits, save / f"logits_{tag}_c{concurrency}.pt")
+def profile(graphs: DecodeGraphs, batch: ForwardBatch, concurrency: int, context: int, tag: str) -> dict:
     for _ in range(3):
         graphs.replay(batch)
     torch.cuda.synchronize()
@@ -118,6 +115,55 @@ def set_skinny(up_to: int | None, splits: int | None) -> None:
         linear.SKINNY_SPLITS = linear.SKINNY_SPLITS if splits is None else splits
 
 
+VARIANT_KEYS = {
+    "route": "route_align_up_to",
+    "gdn": "gdn_fused_max_batch",
+    "skinny": "up_to",
+    "splits": "splits",
+}
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
+    """'name:route=32,skinny=16' -> ('name', {'route_align_up_to': 32, 'up_to': 16})."""
+    name, _, body = spec.partition(":")
+    values = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        if key not in VARIANT_KEYS or not value.isdigit():
+            raise ValueError(f"--variants {spec!r}: expected key=int with keys {sorted(VARIANT_KEYS)}")
+        values[VARIANT_KEYS[key]] = int(value)
+    return name, values
+
+
+def current_switches() -> dict[str, int]:
+    from pdserve.ops import cuda_moe, gdn_decode, linear
+
+    return {
+        "route_align_up_to": cuda_moe.ROUTE_ALIGN_UP_TO,
+        "gdn_fused_max_batch": gdn_decode.FUSED_MAX_BATCH,
+        "up_to": linear.SKINNY_UP_TO,
+        "splits": linear.SKINNY_SPLITS,
+    }
+
+
+def apply_variant(base: dict[str, int], values: dict[str, int]) -> None:
+    """The run's switches (`base`) with the variant's own values over them."""
+    merged = base | values
+    set_switches(merged["route_align_up_to"], merged["gdn_fused_max_batch"])
+    set_skinny(merged["up_to"], merged["splits"])
+
+
+def compare_logits(logits: dict, tags: list[str], sizes: list[int]) -> None:
+    """Each variant's logits against the first's: relative L2 error and greedy-token agreement."""
+    base = tags[0]
+    for tag in tags[1:]:
+        for c in sizes:
+            a, b = logits[tag, c], logits[base, c]
+            rel = ((a - b).norm() / b.norm()).item()
+            same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+            print(f"[{tag} vs {base}] c={c}: logits rel. error {rel:.2e}, same greedy token {same:.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 32])
@@ -144,14 +190,16 @@ def main() -> None:
         help="linear.SKINNY_UP_TO for this run (0: cuBLAS; 32: Triton split-K at c <= 32)",
     )
     parser.add_argument("--skinny-splits", type=int, default=None, help="linear.SKINNY_SPLITS, this run")
+    parser.add_argument("--variants", nargs="+", default=[], help="NAME:route=N,gdn=N,skinny=N,splits=S")
     args = parser.parse_args()
     set_switches(args.route_align_up_to, args.gdn_fused_max_batch)
     set_skinny(args.skinny_up_to, args.skinny_splits)
+    base = current_switches()
     max_c = max(args.concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))
         start = time.perf_counter()
-        num_seqs = sum(args.concurrency) + 1  # every batch's sequences, and the graphs' padding row
+        num_seqs = sum(args.concurrency) + len(args.variants) + 1  # + each capture's padding row
         config = EngineConfig(model=tmp, device="cuda", load_format="dummy", max_num_seqs=max_c,
                               max_model_len=args.context + 64, enforce_eager=True, num_state_slots=num_seqs,
                               num_kv_pages=num_seqs * (args.context // 16 + 8))  # fmt: skip
@@ -160,15 +208,28 @@ def main() -> None:
         runner.kv_pool.kv.normal_(0.0, 1.0, generator=gen)  # never time on zeros
         runner.state_pool.recurrent.normal_(0.0, 0.05, generator=gen)
         runner.state_pool.conv.normal_(0.0, 1.0, generator=gen)
-        graphs = DecodeGraphs(runner.model, runner.kv_pool, runner.state_pool, max_c,
-                              runner.kv_pool.pages_for(config.max_model_len))  # fmt: skip
-        graphs.sizes = sorted(args.concurrency)
-        graphs.capture()
-        print(f"[{args.tag}] model, pools and {len(graphs.sizes)} graphs ready in "
-              f"{time.perf_counter() - start:.0f} s")  # fmt: skip
-        results = [
-            profile(runner, graphs, c, args.context, args.save_logits, args.tag) for c in args.concurrency
-        ]
+        variants = [parse_variant(v) for v in args.variants] or [(args.tag, {})]
+        batches = {c: decode_batch(runner, c, args.context) for c in args.concurrency}
+        recurrent, conv = runner.state_pool.recurrent.clone(), runner.state_pool.conv.clone()
+        results, logits = [], {}
+        for tag, values in variants:
+            apply_variant(base, values)
+            graphs = DecodeGraphs(runner.model, runner.kv_pool, runner.state_pool, max_c,
+                                  runner.kv_pool.pages_for(config.max_model_len))  # fmt: skip
+            graphs.sizes = sorted(args.concurrency)
+            graphs.capture()
+            print(f"[{tag}] model, pools and {len(graphs.sizes)} graphs ready in "
+                  f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+            for c in args.concurrency:
+                runner.state_pool.recurrent.copy_(recurrent)  # every variant starts from the same states
+                runner.state_pool.conv.copy_(conv)
+                logits[tag, c] = graphs.replay(batches[c]).float().cpu()
+                if args.save_logits is not None:
+                    torch.save(logits[tag, c], args.save_logits / f"logits_{tag}_c{c}.pt")
+                results.append(profile(graphs, batches[c], c, args.context, tag))
+            del graphs
+            torch.cuda.empty_cache()
+        compare_logits(logits, [t for t, _ in variants], args.concurrency)
     append_json_lines(args.out, results)
 
 

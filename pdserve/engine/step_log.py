@@ -1,0 +1,51 @@
+"""A timeline of engine steps, one JSON line a step, for finding where a request's time goes
+(`PDSERVE_STEP_LOG=/path/steps.jsonl` in an engine process's environment; off by default).
+
+Each line: `t` (perf_counter at the step's start, s), `s` (its wall time, s), and what the pass it
+launched ran: `decode` rows, prefill `chunks` and their `tokens`, checkpoint `saves`, and the
+scheduler's `running` / `waiting` counts after it. A step that launched nothing writes no line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TextIO
+
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+
+ENV = "PDSERVE_STEP_LOG"
+
+
+class StepLog:
+    def __init__(self, path: str | None = None) -> None:
+        path = path if path is not None else os.environ.get(ENV)
+        self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+        self._last: list[ScheduledSeq] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def record(self, start: float, took: float, last_pass: list[ScheduledSeq], scheduler: Scheduler) -> None:
+        """One line for the step that began at `start`, when it launched a pass (`last_pass` is new)."""
+        if self._file is None or last_pass is self._last:
+            return
+        self._last = last_pass
+        chunks = [s.num_new_tokens for s in last_pass if s.num_new_tokens > 1]
+        line = {
+            "t": round(start, 6),
+            "s": round(took, 6),
+            "decode": len(last_pass) - len(chunks),
+            "chunks": len(chunks),
+            "tokens": sum(chunks),
+            "saves": sum(len(s.saves) for s in last_pass),
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+        }
+        self._file.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
