@@ -56,7 +56,7 @@ profile_roles() {
     (sleep "${PROFILE_AFTER:-34}"
      for role in engine router; do
          pid=$(pgrep -f "pdserve.cli $role" | head -1)
-         [ -n "$pid" ] && py-spy record --nonblocking --idle -d 12 -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
+         [ -n "$pid" ] && py-spy record --nonblocking --idle -d "${PROFILE_SECONDS:-12}" -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
              >"$OUT/pyspy-$role.log" 2>&1 &
      done; wait) &
 }

@@ -3,12 +3,15 @@ stop there, op by op and through the engine; a chat prompt's resume point costs 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams, ops
 from pdserve.check import read_checkpoint
+from pdserve.model import mid_pass_saves
 from pdserve.model.mid_pass_saves import MidPassSaves
 from tests.helpers import random_prompts
 
@@ -45,14 +48,29 @@ def _stopping_chunks(x, q, k, v, gate, beta, weight, conv, recurrent, lengths, s
     return torch.cat(conv_out), torch.cat(out)
 
 
+# (chunk lengths, save points (offset, checkpoint) of each, which pieces run as recurrent steps)
+CASES = {
+    # 1, 0, 0 and 2 save points, one within the first W-1 tokens (the conv state still holds
+    # history from before the pass), one past a 64-token scan chunk: every piece a chunked scan
+    "long pieces": ([5, 7, 1, 90], [[(2, 4)], [], [], [(1, 5), (70, 6)]], [False, False, False]),
+    # chat prompts' resume points: a long first piece, then two- and three-token tails
+    "short tails": ([6, 3, 40, 9], [[(4, 4)], [(1, 5)], [(37, 6)], []], [False, True]),
+    # every piece short: the whole pass in recurrent steps
+    "all short": ([3, 2, 4, 1], [[(1, 4)], [(1, 5)], [(2, 6)], []], [True, True]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("device", DEVICES)
-def test_saves_inside_a_pass_equal_chunks_that_stop_there(device: str) -> None:
-    """Four sequences packed, with 1, 0, 0 and 2 save points (one within the first W-1 tokens,
-    where the conv state still holds history from before the pass, one past a 64-token scan
-    chunk): outputs and every state equal running each piece as a pass of its own and copying
-    the slot after it (the CPU reference; on CUDA within fla's tf32 rounding)."""
-    lengths, slots = [5, 7, 1, 90], [0, 1, 2, 3]
-    saves = [[(2, 4)], [], [], [(1, 5), (70, 6)]]
+def test_saves_inside_a_pass_equal_chunks_that_stop_there(
+    device: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four sequences packed with the save points of `case`: outputs and every state equal running
+    each piece as a pass of its own and copying the slot after it (the CPU reference; on CUDA
+    within fla's tf32 rounding), whether a piece runs as a chunked scan or recurrent steps."""
+    monkeypatch.setattr(mid_pass_saves, "RECURRENT_MAX_CUDA", mid_pass_saves.RECURRENT_MAX)
+    lengths, saves, recurrent_pieces = CASES[case]
+    slots = [0, 1, 2, 3]
     inputs = _inputs(sum(lengths), seed=1)
     weight = torch.randn(C, HISTORY + 1, generator=torch.Generator().manual_seed(2))
     conv = torch.randn(7, C, HISTORY)
@@ -63,7 +81,8 @@ def test_saves_inside_a_pass_equal_chunks_that_stop_there(device: str) -> None:
     x, q, k, v, gate, beta = (t.to(device) for t in inputs)
     conv, recurrent, weight = conv.to(device), recurrent.to(device), weight.to(device)
     saved = MidPassSaves.build(lengths, slots, saves, HISTORY, device)
-    cu = torch.tensor([0, 5, 12, 13, 103], dtype=torch.int32, device=device)
+    assert [piece.steps is not None for piece in saved.pieces] == recurrent_pieces
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     saved.save_conv(x, conv)
     conv_out = ops.causal_conv1d_prefill(x, weight, cu, conv, torch.tensor(slots, device=device))
     out = saved.scan(q, k, v, gate, beta, recurrent)

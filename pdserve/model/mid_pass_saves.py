@@ -10,18 +10,28 @@ on its way through:
   - recurrent: the gated delta rule runs in pieces, each sequence split at its save points;
     after piece r, the state of each sequence saving there is copied to its checkpoint, and
     piece r+1 continues from the sequence's own slot. Sequences with no save run whole in the
-    first piece, so a pass with one save point scans twice per GDN layer.
+    first piece, so a pass with one save point scans twice per GDN layer. A piece whose
+    segments are all short (at most RECURRENT_MAX tokens: a chat prompt's tail after its resume
+    point is two) runs as that many recurrent steps (`ops.gdn_recurrent_step`, the decode maths)
+    instead of a chunked scan, whose host cost (~1.5 ms a call through fla) made every chat
+    prompt's pass host-bound (py-spy of the served conversations, docs/benchmarks.md).
 Attention layers and every other op see the pass as one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
 from pdserve import ops
 from pdserve.pinned import to_device, to_device_many
+
+RECURRENT_MAX = 4  # a piece whose segments are all this short runs as recurrent steps
+# on CUDA: 0 (off) until the H200 has run tests/test_mid_pass_saves.py's cuda cases with it
+# (written in session 15 after its device time was spent; docs/architecture.md, Decisions)
+RECURRENT_MAX_CUDA = 0
 
 
 @dataclass(slots=True)
@@ -31,6 +41,9 @@ class ScanPiece:
     state_slots: torch.Tensor  # [Np] int64
     save_from: torch.Tensor  # [Mp] int64: slots whose state after this piece is a checkpoint
     save_to: torch.Tensor  # [Mp] int64: those checkpoints (state slots)
+    # set when every segment is at most RECURRENT_MAX tokens: step j's (packed token of each
+    # segment longer than j, its state slot), run one token a sequence at a time
+    steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +74,7 @@ class MidPassSaves:
         for length in chunk_lens[:-1]:
             starts.append(starts[-1] + length)
         pieces = []
+        limit = RECURRENT_MAX_CUDA if torch.device(device).type == "cuda" else RECURRENT_MAX
         for r in range(rounds + 1):
             tokens, cu, slots, save_from, save_to = [], [0], [], [], []
             for start, length, slot, points in zip(starts, chunk_lens, state_slots, saves, strict=True):
@@ -73,9 +87,14 @@ class MidPassSaves:
                 if r < len(points):
                     save_from.append(slot)
                     save_to.append(points[r][1])
-            lists = [tokens, slots, save_from, save_to]
-            tokens_t, slots_t, from_t, to_t = to_device_many(lists, torch.int64, device)
-            pieces.append(ScanPiece(tokens_t, to_device(cu, torch.int32, device), slots_t, from_t, to_t))
+            lengths = [b - a for a, b in pairwise(cu)]
+            steps = _recurrent_steps(tokens, cu, slots) if max(lengths) <= limit else []
+            lists = [tokens, slots, save_from, save_to, *(x for step in steps for x in step)]
+            tokens_t, slots_t, from_t, to_t, *step_t = to_device_many(lists, torch.int64, device)
+            piece = ScanPiece(tokens_t, to_device(cu, torch.int32, device), slots_t, from_t, to_t)
+            if steps:
+                piece.steps = list(zip(step_t[::2], step_t[1::2], strict=True))
+            pieces.append(piece)
         flat = [
             (start, slot, offset, ck)
             for start, slot, points in zip(starts, state_slots, saves, strict=True)
@@ -108,13 +127,27 @@ class MidPassSaves:
         """`ops.gdn_chunk_prefill` over the whole pass, in pieces, saving the checkpoints."""
         out = torch.empty_like(v)
         for piece in self.pieces:
-            t = piece.tokens
-            out[t] = ops.gdn_chunk_prefill(
-                q[t], k[t], v[t], g[t], beta[t], piece.cu_seqlens, recurrent_pool, piece.state_slots
-            )
+            if piece.steps is not None:
+                for t, slots in piece.steps:
+                    out[t] = ops.gdn_recurrent_step(q[t], k[t], v[t], g[t], beta[t], recurrent_pool, slots)
+            else:
+                t = piece.tokens
+                out[t] = ops.gdn_chunk_prefill(
+                    q[t], k[t], v[t], g[t], beta[t], piece.cu_seqlens, recurrent_pool, piece.state_slots
+                )
             if piece.save_to.numel():
                 recurrent_pool.index_copy_(0, piece.save_to, recurrent_pool.index_select(0, piece.save_from))
         return out
+
+
+def _recurrent_steps(tokens: list[int], cu: list[int], slots: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Segment n of a piece is tokens[cu[n]:cu[n+1]]: step j takes the j-th token of every
+    segment longer than j, with its slot."""
+    steps = []
+    for j in range(max(b - a for a, b in pairwise(cu))):
+        live = [n for n in range(len(slots)) if cu[n] + j < cu[n + 1]]
+        steps.append(([tokens[cu[n] + j] for n in live], [slots[n] for n in live]))
+    return steps
 
 
 def _conv_rows(m: int, num_saves: int, start: int, offset: int, history_len: int) -> list[int]:
