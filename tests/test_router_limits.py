@@ -7,6 +7,8 @@ and rebuilds its SamplingParams as the services do."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncGenerator
@@ -23,7 +25,7 @@ from pdserve.sampling.params import INT64_MAX, INT64_MIN, SamplingParams
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from router.app import create_app
 from router.backend import GenerateRequest, TokenEvent
-from router.prompt_chars import max_chars_per_token
+from router.prompt_chars import max_chars_per_token, max_chars_per_token_async
 from tests.router_requests import CHAT, MODEL
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
@@ -219,3 +221,21 @@ def test_the_bound_never_refuses_a_prompt_that_fits(tokenizer: Tokenizer, text: 
     points to 1)."""
     assert len(text) <= max(1, len(tokenizer.encode(text))) * max_chars_per_token(tokenizer)
     assert max_chars_per_token(tokenizer) == 128 * 4
+
+
+def test_a_burst_of_long_prompts_runs_the_vocabulary_pass_once(tokenizer: Tokenizer) -> None:
+    """Prompts arriving together before the bound is known share one pass, not one each."""
+    passes = []
+
+    def counted(t: Tokenizer) -> int | None:
+        passes.append(t)
+        time.sleep(0.05)  # a pass long enough for the others to arrive during it
+        return max_chars_per_token.__wrapped__(t)
+
+    async def burst() -> list[int | None]:
+        return await asyncio.gather(*(max_chars_per_token_async(tokenizer) for _ in range(8)))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("router.prompt_chars.max_chars_per_token", functools.lru_cache(counted))
+        bounds = asyncio.run(burst())
+    assert bounds == [max_chars_per_token(tokenizer)] * 8 and len(passes) == 1
