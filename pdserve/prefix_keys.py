@@ -15,6 +15,9 @@ Markers: an instance holding entries with a tail under some parent publishes tha
 from __future__ import annotations
 
 import hashlib
+from array import array
+
+_ID_BYTES = 8  # array('q')
 
 
 def root_key(salt: str) -> bytes:
@@ -24,23 +27,25 @@ def root_key(salt: str) -> bytes:
 
 def prefix_block_keys(token_ids: list[int], block_size: int, salt: str) -> list[bytes]:
     """Key of every full block boundary: key[i] covers tokens [0, (i + 1) * block_size)."""
-    keys, parent = [], root_key(salt)
-    for end in range(block_size, len(token_ids) + 1, block_size):
-        parent = _block_key(parent, token_ids[end - block_size : end])
-        keys.append(parent)
+    keys: list[bytes] = []
+    extend_block_keys(keys, token_ids, block_size, salt)
     return keys
 
 
 def extend_block_keys(keys: list[bytes], token_ids: list[int], block_size: int, salt: str) -> None:
     """Append to `keys` (the block keys of a prefix of `token_ids`) those of every further full block."""
     parent = keys[-1] if keys else root_key(salt)
-    for end in range((len(keys) + 1) * block_size, len(token_ids) + 1, block_size):
-        parent = _block_key(parent, token_ids[end - block_size : end])
+    first = len(keys) * block_size
+    data = _as_bytes(token_ids[first : len(token_ids) - (len(token_ids) - first) % block_size])
+    width = block_size * _ID_BYTES
+    for end in range(width, len(data) + 1, width):
+        parent = hashlib.sha256(parent + b"|" + data[end - width : end]).digest()
         keys.append(parent)
 
 
-def _block_key(parent: bytes, block: list[int]) -> bytes:
-    return hashlib.sha256(parent + b"|" + ",".join(map(str, block)).encode()).digest()
+def _as_bytes(token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Token ids as 8-byte integers: hashed as they are (7x faster than their decimal text)."""
+    return array("q", token_ids).tobytes()
 
 
 def entry_key(parent: bytes, tail: list[int] | tuple[int, ...]) -> bytes:
@@ -48,7 +53,7 @@ def entry_key(parent: bytes, tail: list[int] | tuple[int, ...]) -> bytes:
     itself when the tail is empty."""
     if not tail:
         return parent
-    return hashlib.sha256(parent + b"|tail|" + ",".join(map(str, tail)).encode()).digest()
+    return hashlib.sha256(parent + b"|tail|" + _as_bytes(tail)).digest()
 
 
 def tail_marker(parent: bytes) -> bytes:
@@ -65,10 +70,10 @@ def tail_keys(parent: bytes, tokens_after: list[int], max_len: int) -> list[tupl
     """(length, key) of every tail of 1 .. `max_len` tokens of `tokens_after` under `parent`,
     longest first: `entry_key` of each, hashed incrementally (one pass over the tail, not one a
     length: the router probes up to 3 x 63 tails for a conversation's prompt)."""
-    n = min(max_len, len(tokens_after))
+    data = _as_bytes(tokens_after[: min(max_len, len(tokens_after))])
     running = hashlib.sha256(parent + b"|tail|")
     keys = []
-    for t, token in enumerate(tokens_after[:n], 1):
-        running.update(b"%d" % token if t == 1 else b",%d" % token)
+    for t, at in enumerate(range(0, len(data), _ID_BYTES), 1):
+        running.update(data[at : at + _ID_BYTES])
         keys.append((t, running.copy().digest()))
     return keys[::-1]
