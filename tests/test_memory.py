@@ -114,6 +114,18 @@ def test_host_tier_round_trip(device: str) -> None:
     assert (tier.num_free_pages, tier.num_free_checkpoints) == (tier.num_pages, tier.num_checkpoints)
 
 
+def test_host_tier_keeps_an_entrys_pages_in_one_run() -> None:
+    """Host pages come back lowest first: a store after entries were freed takes one run (one
+    copy), where a last-in-first-out list handed it their pages in reverse, one copy a page (the
+    H200's conversations spent 4% of the engine thread in those copies)."""
+    tier, kv, states = host_tier_of("cpu")
+    first, second = tier.store([0, 1, 2], 0), tier.store([3, 4], 1)
+    tier.free(*first)
+    tier.free(*second)
+    host_pages, _ = tier.store([5, 4, 3, 2], 2)
+    assert host_pages == list(range(min(host_pages), min(host_pages) + 4))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_host_tier_store_does_not_wait_for_the_stream() -> None:

@@ -20,6 +20,8 @@ with a small pool).
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from pdserve.memory.kv_pool import KvPagePool
@@ -46,7 +48,7 @@ class HostTier:
         self.kv = _like(kv_pool.kv, 2, num_pages, pin)
         self.num_checkpoints, self.num_pages = num_checkpoints, num_pages
         self._free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
-        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self._free_pages = list(range(num_pages))  # a heap: lowest first, so an entry's pages run together
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +67,7 @@ class HostTier:
 
     def store(self, pages: list[int], slot: int) -> tuple[list[int], int]:
         """Copy device pages `pages` and state slot `slot` out; their host ids (`fits` first)."""
-        host_pages = [self._free_pages.pop() for _ in pages]
+        host_pages = [heapq.heappop(self._free_pages) for _ in pages]
         host_ck = self._free_checkpoints.pop()
         pinned = self.kv.is_pinned()
         if pages:  # one gather into unit-major order, then one copy per run of host pages
@@ -95,7 +97,8 @@ class HostTier:
     def free(self, host_pages: list[int], host_ck: int) -> None:
         if host_ck in self._free_checkpoints:
             raise RuntimeError(f"host checkpoint {host_ck} freed twice")
-        self._free_pages.extend(host_pages)
+        for page in host_pages:
+            heapq.heappush(self._free_pages, page)
         self._free_checkpoints.append(host_ck)
 
 
