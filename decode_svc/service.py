@@ -28,12 +28,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from decode_svc.peers import PeerDirectory
 from kvtransfer import TransferHandle
 from kvtransfer.payload import pool_units
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.messages import DecodeEvent, DecodeStart, LeaseRelease
+from pdserve.peer_directory import PeerDirectory
 from pdserve.peer_reads import PeerReads
 from pdserve.prefix_sharing import PrefixSharing
 from pdserve.rpc import RpcError

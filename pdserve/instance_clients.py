@@ -1,7 +1,7 @@
 """gRPC clients of peer instances, one per registered address, closed once it has left.
 
 Shared by the router (`router/instances.py`: the prefill and decode instances it sends work to)
-and the decode role (`decode_svc/peers.py`: the prefill instances holding the states it READs).
+and the decode role (`pdserve/peer_directory.py`: the prefill instances holding the states it READs).
 A service restarted on a new port, or gone from the registry (heartbeat expired, removed),
 leaves a client behind; a long-running process whose peers restart would keep every one of
 them open (a channel, its socket, its reconnect attempts). So:

@@ -35,7 +35,7 @@ Answer = Callable[[dict | None, str], None]  # (the holder's answer or None, why
 
 
 class Peers(Protocol):
-    """What reads need of a peer directory (`decode_svc.peers.PeerDirectory`)."""
+    """What reads need of a peer directory (`pdserve.peer_directory.PeerDirectory`)."""
 
     def forget(self, agent: str) -> None: ...
 

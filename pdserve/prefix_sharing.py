@@ -24,12 +24,12 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from decode_svc.peers import PeerDirectory
 from kvtransfer import TransferHandle, pool_units
 from pdserve.engine.prefix_cache import CacheEntry
 from pdserve.engine.resume_points import resume_suffix
 from pdserve.engine.sequence import Sequence
 from pdserve.memory import KvPagePool
+from pdserve.peer_directory import PeerDirectory
 from pdserve.peer_reads import PeerReads
 from pdserve.rpc import RpcError
 from pdserve.serving import EngineHost, ServiceRole

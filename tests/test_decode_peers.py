@@ -1,4 +1,4 @@
-"""The decode role's gRPC clients of its prefill peers (decode_svc/peers.py, through
+"""The decode role's gRPC clients of its prefill peers (pdserve/peer_directory.py, through
 pdserve/instance_clients.py), on loopback with a real redis-server and real gRPC servers standing
 in for prefill instances (each with its own transfer agent, `LocalCopyAgent`): after prefill
 instances restart on new ports or leave the registry, the decode side holds channels and sockets
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from decode_svc.peers import PeerDirectory
 from kvtransfer import POOL_UNIT_DIMS, LocalCopyAgent, TransferHandle, pool_units
 from pdserve.instance_clients import SERVICES
+from pdserve.peer_directory import PeerDirectory
 from pdserve.peer_reads import PeerReads
 from pdserve.registry import InstanceInfo, InstanceRegistry, RedisServer
 from pdserve.rpc import RpcServer
