@@ -11,10 +11,10 @@ service's last beat, and calls a service hung when
                                                                    before the first beat)
 
 The supervisor then kills it and restarts it as a dead one (`Child.kill_hung`). A SIGSTOPped
-process, a deadlocked event loop, a service that cannot reach Redis: all stop beating. (An engine
-thread stuck in a step while the event loop runs still beats: the heartbeat proves the service's
-event loop, not its engine.) While Redis does not answer the supervisor, nobody is judged, and
-for `timeout_s` after it answers again (the services' beats come back within one).
+process, a deadlocked event loop, a service that cannot reach Redis: all stop beating, and so does
+a service whose engine thread has been held in one step for `--engine-stuck-timeout` (60 s) while
+its event loop runs (`EngineThread.stuck`). While Redis does not answer the supervisor, nobody is
+judged, and for `timeout_s` after it answers again (the services' beats come back within one).
 """
 
 from __future__ import annotations

@@ -171,17 +171,31 @@ class InstanceRegistry:
         await self._redis.set(key, self._seal(key, info.to_json()), px=max(1, round(ttl_s * 1000)))
 
     async def heartbeat_forever(
-        self, get_info: Callable[[], InstanceInfo], interval_s: float = 1.0, ttl_s: float = 3.0
+        self,
+        get_info: Callable[[], InstanceInfo],
+        interval_s: float = 1.0,
+        ttl_s: float = 3.0,
+        stuck: Callable[[], str | None] = lambda: None,
     ) -> None:
         """Register `get_info()` every `interval_s` until cancelled (run it as a task).
 
         Redis errors are logged and retried at the next beat: an instance outlives a Redis
-        restart. Cancelling does not deregister; call `deregister` on a clean shutdown.
+        restart. While `stuck()` gives a reason, no beat is sent (the key expires: routers stop
+        sending work, `pdserve up` restarts the service). Cancelling does not deregister; call
+        `deregister` on a clean shutdown.
         """
         if ttl_s <= interval_s:
             raise ValueError(f"ttl_s ({ttl_s}) must exceed interval_s ({interval_s})")
-        failing = False
+        failing, was_stuck = False, False
         while True:
+            reason = stuck()
+            if reason is not None or was_stuck:
+                if (reason is not None) != was_stuck:
+                    log.warning("heartbeat: %s", f"stopped: {reason}" if reason else "beating again")
+                was_stuck = reason is not None
+                if was_stuck:
+                    await asyncio.sleep(interval_s)
+                    continue
             try:
                 await self.register(get_info(), ttl_s)
                 if failing:

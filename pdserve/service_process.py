@@ -84,7 +84,9 @@ class Registration:
         beat, ttl = self.config.heartbeat_s, HEARTBEAT_TTL_BEATS * self.config.heartbeat_s
         for role in self.addresses:
             await self.registry.register(self.info(role), ttl_s=ttl)
-            beats = self.registry.heartbeat_forever(partial(self.info, role), interval_s=beat, ttl_s=ttl)
+            info = partial(self.info, role)
+            stuck = partial(self.host.thread.stuck, self.config.engine_stuck_s)
+            beats = self.registry.heartbeat_forever(info, interval_s=beat, ttl_s=ttl, stuck=stuck)
             self.tasks.append(asyncio.create_task(beats))
         publisher = PrefixPublisher(self.registry, self.host, self.config.instance_id, beat)
         self.tasks.append(asyncio.create_task(publisher.run()))  # new keys at once

@@ -51,6 +51,8 @@ class ServiceConfig:
     advertise_host: str | None = None
     redis_url: str | None = None
     heartbeat_s: float = HEARTBEAT_S  # `pdserve up` judges hung services by this beat
+    # the heartbeat stops while the engine thread is held in one turn this long (0: never)
+    engine_stuck_s: float = 60.0
     # on SIGTERM, after deregistering: how long open calls (decode streams) may go on
     shutdown_timeout_s: float = 30.0
     # prefill: a held request's memory is freed after this long if nobody pulled it
@@ -74,6 +76,12 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         "--disable-log-stats",
         action="store_true",
         help="no stats line in the log every 10 s (throughputs, running, waiting, KV cache, prefix hits)",
+    )
+    parser.add_argument(
+        "--engine-stuck-timeout",
+        type=float,
+        default=60.0,
+        help="stop the heartbeat while the engine is held in one step this long (s; 0: never)",
     )
     if role in ("prefill", "engine"):
         parser.add_argument(
@@ -104,6 +112,7 @@ def service_config_from_args(args: argparse.Namespace, role: str) -> ServiceConf
         advertise_host=args.advertise_host,
         redis_url=args.redis_url,
         log_stats_interval_s=0.0 if args.disable_log_stats else STATS_INTERVAL_S,
+        engine_stuck_s=args.engine_stuck_timeout,
         **{k: v for k, v in optional.items() if v is not None},
     )
 

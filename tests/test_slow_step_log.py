@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 
 import pytest
 
@@ -55,3 +57,36 @@ def test_step_log_has_a_line_per_pass(plain_llm: LLM, monkeypatch: pytest.Monkey
     assert all(line["decode"] == 2 and line["chunks"] == 0 for line in lines[1:])
     assert all(line["s"] >= 0 and line["t"] > 0 for line in lines)
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
+
+
+def test_a_step_held_past_the_limit_is_reported_stuck(
+    plain_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`EngineThread.stuck`: the reason a service stops its heartbeat while its engine thread is
+    held in one step (the event loop still runs); None again once the step returns."""
+    engine = plain_llm.engine
+    release, real_step = threading.Event(), engine.step
+
+    def held_step() -> list:
+        release.wait(10)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    thread = EngineThread(engine, on_outputs=lambda outputs: None, on_error=lambda ids, why: None)
+    (prompt,) = random_prompts((9,), seed=53)
+    engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    thread.start()
+    try:
+        time.sleep(0.4)
+        reason = thread.stuck(0.2)
+        assert reason is not None and "in one step" in reason
+        assert thread.stuck(0) is None  # 0: never judged
+        release.set()
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # back to waiting for work
+        assert not engine.has_unfinished() and thread.stuck(0.2) is None
+    finally:
+        release.set()
+        thread.stop()

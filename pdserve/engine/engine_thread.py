@@ -52,6 +52,7 @@ class EngineThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.step_log = StepLog()  # PDSERVE_STEP_LOG: a line a step (off by default)
+        self._turn_started: float | None = None  # monotonic start of the turn under way
 
     def start(self) -> None:
         self._thread.start()
@@ -94,14 +95,30 @@ class EngineThread:
         self._calls.put((fn, args, settle))
         self._wake.set()
 
+    def busy_s(self) -> float:
+        """Seconds the thread has spent in its current turn (calls, tick, step); 0 while it waits.
+        A turn that never ends (a hung step, a deadlocked call) grows without bound."""
+        started = self._turn_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def stuck(self, limit_s: float) -> str | None:
+        """Why the service should stop its heartbeat: the current turn has run more than `limit_s`
+        (0: never), else None."""
+        busy = self.busy_s()
+        if limit_s and busy > limit_s:
+            return f"the engine thread has been in one step for {busy:.0f} s (limit {limit_s:g} s)"
+        return None
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._turn_started = time.monotonic()
             self._run_calls()
             busy = self._safe_tick()
             if self.engine.has_unfinished() and self._safe_step():
                 continue
             # nothing ran: idle, or waiting requests that cannot be admitted yet (memory held
             # for transfers) - poll again soon when the tick wants it, never spin
+            self._turn_started = None
             self._wake.wait(self.idle_s if busy else 0.05)
             self._wake.clear()
 
