@@ -57,6 +57,8 @@ CASES = {
     "short tails": ([6, 3, 40, 9], [[(4, 4)], [(1, 5)], [(37, 6)], []], [False, True]),
     # every piece short: the whole pass in recurrent steps
     "all short": ([3, 2, 4, 1], [[(1, 4)], [(1, 5)], [(2, 6)], []], [True, True]),
+    # no save, every chunk short (cache hits' tails): one piece of recurrent steps
+    "short, no saves": ([3, 1, 2, 4], [[], [], [], []], [True]),
 }
 
 
@@ -95,7 +97,10 @@ def test_saves_inside_a_pass_equal_chunks_that_stop_there(
 
 
 def test_no_saves_build_nothing_and_bad_offsets_are_refused() -> None:
-    assert MidPassSaves.build([4, 1], [0, 1], [[], []], HISTORY, "cpu") is None
+    assert MidPassSaves.build([5, 1], [0, 1], [[], []], HISTORY, "cpu") is None  # a chunk too long
+    short = MidPassSaves.build([4, 1], [0, 1], [[], []], HISTORY, "cpu")  # no save, all short
+    assert short is not None and short.num_saves == 0
+    assert [piece.steps is not None for piece in short.pieces] == [True]
     for bad in ([(0, 3)], [(4, 3)], [(2, 3), (2, 5)], [(3, 3), (1, 5)]):
         with pytest.raises(ValueError, match="inside a chunk"):
             MidPassSaves.build([4, 1], [0, 1], [bad, []], HISTORY, "cpu")

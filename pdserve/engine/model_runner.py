@@ -154,7 +154,7 @@ class ModelRunner:
             page_size=self.config.page_size,
             device=self.device,
         )
-        if any(s.saves for s in scheduled):  # a prefill pass crossing a planned checkpoint
+        if not batch.is_decode:  # checkpoints the pass crosses; the plan of its GDN scan
             offsets = [
                 [(p.position - s.seq.num_computed_tokens, p.checkpoint) for p in s.saves] for s in scheduled
             ]

@@ -14,7 +14,9 @@ on its way through:
     segments are all short (at most RECURRENT_MAX tokens: a chat prompt's tail after its resume
     point is two) runs as that many recurrent steps (`ops.gdn_recurrent_step`, the decode maths)
     instead of a chunked scan, whose host cost (~1.5 ms a call through fla) made every chat
-    prompt's pass host-bound (py-spy of the served conversations, docs/benchmarks.md).
+    prompt's pass host-bound (py-spy of the served conversations, docs/benchmarks.md). So does a
+    pass without saves whose chunks are all that short (cache hits' tails, decode rows beside
+    them): a plan of one piece, no checkpoint.
 Attention layers and every other op see the pass as one.
 """
 
@@ -52,6 +54,7 @@ class MidPassSaves:
     conv_slots: torch.Tensor  # [M] int64: the sequence slot of each save
     conv_to: torch.Tensor  # [M] int64: its checkpoint
     conv_rows: torch.Tensor  # [M, W-1] int64: rows of cat(history of conv_slots, x), oldest first
+    num_saves: int = 0  # M
 
     @staticmethod
     def build(
@@ -62,9 +65,11 @@ class MidPassSaves:
         device: torch.device | str,
     ) -> MidPassSaves | None:
         """`saves[i]`: (offset into sequence i's chunk, checkpoint) in order, each offset strictly
-        inside the chunk. None when no sequence saves inside this pass."""
+        inside the chunk. None when no sequence saves inside this pass and its chunks are not all
+        short (a pass of short chunks alone, a cache hit's tail, is one piece of recurrent steps)."""
+        limit = RECURRENT_MAX_CUDA if torch.device(device).type == "cuda" else RECURRENT_MAX
         rounds = max((len(s) for s in saves), default=0)
-        if rounds == 0:
+        if rounds == 0 and max(chunk_lens, default=limit + 1) > limit:
             return None
         for length, points in zip(chunk_lens, saves, strict=True):
             offsets = [o for o, _ in points]
@@ -74,7 +79,6 @@ class MidPassSaves:
         for length in chunk_lens[:-1]:
             starts.append(starts[-1] + length)
         pieces = []
-        limit = RECURRENT_MAX_CUDA if torch.device(device).type == "cuda" else RECURRENT_MAX
         for r in range(rounds + 1):
             tokens, cu, slots, save_from, save_to = [], [0], [], [], []
             for start, length, slot, points in zip(starts, chunk_lens, state_slots, saves, strict=True):
@@ -103,13 +107,14 @@ class MidPassSaves:
         conv_slots = [slot for _, slot, _, _ in flat]
         conv_to = [ck for _, _, _, ck in flat]
         rows = [_conv_rows(m, len(flat), f[0], f[2], history_len) for m, f in enumerate(flat)]
-        width = len(rows[0])
         slots_t, to_t, rows_t = to_device_many([conv_slots, conv_to, sum(rows, [])], torch.int64, device)
-        return MidPassSaves(pieces, slots_t, to_t, rows_t.view(len(rows), width))
+        return MidPassSaves(pieces, slots_t, to_t, rows_t.view(len(rows), history_len), len(flat))
 
     def save_conv(self, x: torch.Tensor, conv_pool: torch.Tensor) -> None:
         """Write each checkpoint's conv state from the layer's packed conv input `x` [T, C]; call
         it before the conv op, while the slots still hold the history before this pass."""
+        if not self.num_saves:
+            return
         history = conv_pool.index_select(0, self.conv_slots)  # [M, C, W-1]
         channels = history.shape[1]
         source = torch.cat([history.transpose(1, 2).reshape(-1, channels), x.to(conv_pool.dtype)])
