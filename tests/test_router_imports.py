@@ -5,8 +5,7 @@ transformers, numpy, NIXL or pdserve's engine modules fails as it does in the ro
 - `import router.server` and the healthcheck module `pdserve.rpc` load none of them;
 - `pdserve router` starts in under 2 s (first HTTP answer; on a slower machine, within 0.5 s of
   what its imports and tokenizer alone take there) and serves a completion through a
-  `pdserve engine` (torch allowed there) with them blocked; building it leaves the prompt-length
-  bound's vocabulary pass (router.prompt_chars) for the first long prompt;
+  `pdserve engine` (torch allowed there) with them blocked;
 - `python -m pdserve.rpc HOST:PORT` answers 0 for a live gRPC server, 1 for a dead port;
 - every package the router imports is in deploy/router-requirements.txt (what the image installs).
 """
@@ -21,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +31,6 @@ import pytest
 from pdserve.registry import RedisServer
 from pdserve.rpc import RpcServer, free_port
 from pdserve.supervisor import popen_options
-from router.prompt_chars import max_chars_per_token, max_chars_per_token_async
 from tests.torch_blocked import ROOT, is_blocked
 
 RUNNER = [sys.executable, str(ROOT / "tests" / "torch_blocked.py")]
@@ -277,38 +274,6 @@ def test_router_starts_fast_and_serves_without_torch(
             if proc is not None:
                 stop(proc)
     assert "blocked" not in log.read_text()
-
-
-def test_building_the_router_leaves_the_vocabulary_pass_for_later(tiny_model_dir: Path) -> None:
-    """The prompt-length bound reads the whole vocabulary (0.2-0.3 s): not at start-up."""
-    from router.server import RouterConfig, build_router
-
-    before = max_chars_per_token.cache_info().misses
-    router = build_router(RouterConfig(model=str(tiny_model_dir), redis_url="redis://127.0.0.1:1"))
-    asyncio.run(router.registry.close())
-    assert max_chars_per_token.cache_info().misses == before
-
-
-def test_the_vocabulary_pass_runs_off_the_event_loop(tiny_model_dir: Path) -> None:
-    from pdserve.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(tiny_model_dir)
-
-    async def bound_and_loop_thread() -> tuple[int | None, bool]:
-        loop_thread = threading.get_ident()
-        threads = []
-        computed = max_chars_per_token.__wrapped__
-
-        def spy(t: object) -> int | None:
-            threads.append(threading.get_ident())
-            return computed(t)
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("router.prompt_chars.max_chars_per_token", spy)
-            bound = await max_chars_per_token_async(tokenizer)
-        return bound, threads != [] and loop_thread not in threads
-
-    assert asyncio.run(bound_and_loop_thread()) == (128 * 4, True)
 
 
 @pytest.mark.parametrize(

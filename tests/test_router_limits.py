@@ -2,14 +2,16 @@
 range-checked before it is encoded, so a request's own bad field is a 400 naming it and never
 reaches a backend (`top_k: 2**64` used to overflow msgpack in the router and take a prefill out
 of rotation); stop strings are bounded; a prompt too long to fit is refused by its length before
-it is tokenized. The backend here packs each request as the disaggregated backend does (msgpack)
-and rebuilds its SamplingParams as the services do."""
+it is tokenized, with a bound whose vocabulary pass is left for the first long prompt, runs off
+the event loop, and once for a burst. The backend here packs each request as the disaggregated
+backend does (msgpack) and rebuilds its SamplingParams as the services do."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import json
+import threading
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import asdict
@@ -239,3 +241,31 @@ def test_a_burst_of_long_prompts_runs_the_vocabulary_pass_once(tokenizer: Tokeni
         patch.setattr("router.prompt_chars.max_chars_per_token", functools.lru_cache(counted))
         bounds = asyncio.run(burst())
     assert bounds == [max_chars_per_token(tokenizer)] * 8 and len(passes) == 1
+
+
+def test_building_the_router_leaves_the_vocabulary_pass_for_later(tiny_model_dir: Path) -> None:
+    """The prompt-length bound reads the whole vocabulary (0.2-0.3 s): not at start-up."""
+    from router.server import RouterConfig, build_router
+
+    before = max_chars_per_token.cache_info().misses
+    router = build_router(RouterConfig(model=str(tiny_model_dir), redis_url="redis://127.0.0.1:1"))
+    asyncio.run(router.registry.close())
+    assert max_chars_per_token.cache_info().misses == before
+
+
+def test_the_vocabulary_pass_runs_off_the_event_loop(tokenizer: Tokenizer) -> None:
+    async def bound_and_loop_thread() -> tuple[int | None, bool]:
+        loop_thread = threading.get_ident()
+        threads = []
+        computed = max_chars_per_token.__wrapped__
+
+        def spy(t: object) -> int | None:
+            threads.append(threading.get_ident())
+            return computed(t)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("router.prompt_chars.max_chars_per_token", spy)
+            bound = await max_chars_per_token_async(tokenizer)
+        return bound, threads != [] and loop_thread not in threads
+
+    assert asyncio.run(bound_and_loop_thread()) == (128 * 4, True)
