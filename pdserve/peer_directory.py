@@ -12,13 +12,17 @@ The gRPC clients (`pdserve.instance_clients`, as the router's) follow that view:
 closes the client of every address no longer registered (a peer restarted on a new port, expired,
 removed) once its last call in flight (a handshake, a lease release, a pin) has ended; a call in
 flight is never cut, and a late call to a connected peer that left opens one for its duration.
-A refresh that fails (Redis away) closes nothing.
+A refresh that fails (Redis away) closes nothing. An agent connected to and then gone from the
+registry for `forget_after_s` (120 s: past any lease a draining instance may still hold, the
+prefill's --handoff-timeout being 60 s) is dropped from the transfer agent too, so a fleet that
+scales up and down does not grow the peer list without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from pdserve.instance_clients import InstanceClient, InstanceClients, client_key
 from pdserve.serving import EngineHost
@@ -37,9 +41,13 @@ class PeerDirectory:
     """Peers of the registry roles `roles` (looked up in that order: a two-role engine registers
     as both, under one agent)."""
 
-    def __init__(self, host: EngineHost, roles: tuple[str, ...] = ("prefill",)) -> None:
+    def __init__(
+        self, host: EngineHost, roles: tuple[str, ...] = ("prefill",), forget_after_s: float = 120.0
+    ) -> None:
         self.host = host
         self.roles = roles
+        self.forget_after_s = forget_after_s
+        self._absent: dict[str, float] = {}  # connected agent -> when it was first seen gone
         self._addresses: dict[str, tuple[str, str]] = {}  # connected agent -> (role, address)
         self.clients = InstanceClients()  # those of addresses left closed once their calls end
         self._lock = asyncio.Lock()
@@ -110,6 +118,21 @@ class PeerDirectory:
             self._refresher.cancel()
         await self.clients.close()
 
+    async def forget_departed(self) -> list[str]:
+        """Drop the connected agents the last registry view has lacked for `forget_after_s`;
+        their names."""
+        now, dropped = time.monotonic(), []
+        async with self._lock:  # not while `connect` hands one out
+            for agent in list(self._addresses):
+                if agent in self._known:
+                    self._absent.pop(agent, None)
+                elif (gone_s := now - self._absent.setdefault(agent, now)) >= self.forget_after_s:
+                    del self._absent[agent]
+                    log.info("peer agent %s left the registry %.0f s ago: dropped", agent, gone_s)
+                    await self.host.thread.call(self.forget, agent)
+                    dropped.append(agent)
+        return dropped
+
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(KNOWN_REFRESH_S)
@@ -118,4 +141,5 @@ class PeerDirectory:
             try:
                 await self.refresh()
             except Exception:  # Redis away: keep the last view (the heartbeat logs the outage)
-                pass
+                continue
+            await self.forget_departed()

@@ -174,3 +174,32 @@ def test_a_transfer_in_flight_outlives_its_peer_leaving_the_registry(redis_url: 
                 await holder.server.stop(0)
 
     asyncio.run(main())
+
+
+def test_a_peer_gone_from_the_registry_is_dropped_from_the_agent_after_the_grace(redis_url: str) -> None:
+    """A prefill instance scaled away: the decode side's transfer agent keeps it through the
+    grace (its leases may still be read while it drains), then drops it; the one that stays is
+    kept."""
+
+    async def main() -> None:
+        async with InstanceRegistry(redis_url, "peers-3", secret=None) as registry:
+            peers = PeerDirectory(decode_host(registry, "decode-0#1"), forget_after_s=0.3)
+            reads = PeerReads(peers.host, peers)
+            staying, leaving = await started(registry, "staying", 0), await started(registry, "leaving", 0)
+            try:
+                for p in (staying, leaving):
+                    assert await (await transfer(peers, reads, p.agent.name, f"r-{p.agent.name}")) == INTACT
+                await registry.deregister("prefill", "leaving")
+                await peers.refresh()
+                assert await peers.forget_departed() == []  # first seen gone: the grace starts
+                assert set(peers.host.agent.peers) == {staying.agent.name, leaving.agent.name}
+                await asyncio.sleep(0.4)
+                await peers.refresh()
+                assert await peers.forget_departed() == [leaving.agent.name]
+                assert set(peers.host.agent.peers) == {staying.agent.name}
+            finally:
+                await peers.close()
+                for p in (staying, leaving):
+                    await p.server.stop(0)
+
+    asyncio.run(main())
