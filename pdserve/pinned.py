@@ -16,12 +16,21 @@ import torch
 Device = torch.device | str
 
 
+def pinned(host: torch.Tensor) -> torch.Tensor:
+    """A copy of CPU tensor `host` in pinned memory: a block of the caching host allocator, filled
+    by a memcpy. Not `host.pin_memory()`: py-spy of the served engine on the H200 had that at ~0.75
+    ms a call (1.56 s of the engine thread's 15.6 s busy), where `HostCopy`'s
+    `torch.empty(pin_memory=True)` cost ~15x less a call."""
+    out = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    return out.copy_(host)
+
+
 def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: Device) -> torch.Tensor:
     """`values` as a `dtype` tensor on `device`, copied without waiting for the device."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(dtype)
-    return host.to(dtype).pin_memory().to(device, non_blocking=True)
+    return pinned(host.to(dtype)).to(device, non_blocking=True)
 
 
 def to_device_many(lists: Sequence[Sequence[int]], dtype: torch.dtype, device: Device) -> list[torch.Tensor]:
@@ -36,7 +45,7 @@ def to_device_many(lists: Sequence[Sequence[int]], dtype: torch.dtype, device: D
         flat.extend([0] * (-len(flat) % per_line))
     buffer = torch.tensor(flat, dtype=dtype)
     if torch.device(device).type == "cuda":
-        buffer = buffer.pin_memory().to(device, non_blocking=True)
+        buffer = pinned(buffer).to(device, non_blocking=True)
     return [buffer[start : start + len(values)] for start, values in zip(starts, lists, strict=True)]
 
 

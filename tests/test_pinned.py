@@ -1,12 +1,13 @@
 """`pdserve.pinned.to_device_many`: several int lists through one buffer, each view holding its
-list exactly and starting on a 16-byte boundary (what separate tensors give Triton kernels)."""
+list exactly and starting on a 16-byte boundary (what separate tensors give Triton kernels);
+`pinned`: a CPU tensor's copy in pinned memory (on CUDA machines)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.pinned import to_device_many
+from pdserve.pinned import pinned, to_device, to_device_many
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -22,3 +23,12 @@ def test_views_hold_each_list_aligned(device: str, dtype: torch.dtype) -> None:
         assert v.data_ptr() % 16 == 0
     views[0][0] = 99  # a view writes only its own list
     assert [v.tolist() for v in views[1:]] == lists[1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_copies_into_pinned_memory() -> None:
+    host = torch.arange(10, dtype=torch.int64)[::2]  # strided: copied contiguous
+    out = pinned(host)
+    assert out.is_pinned() and out.is_contiguous() and out.tolist() == host.tolist()
+    assert to_device(host, torch.int32, "cuda").tolist() == host.tolist()
