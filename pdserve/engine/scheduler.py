@@ -14,7 +14,8 @@ Each step:
      pages to the cache as an entry (no copy); cache entries are evicted before anything
      running is preempted, for pages and for state slots (a checkpoint is a state slot).
      Sequences in `fetching` (their prefix is being pulled from a peer) wait, and later ones
-     pass them.
+     pass them, as do those waiting one pass for a checkpoint of the prefix they share with a
+     prompt in it (`pdserve.engine.burst_sharing`).
 A sequence samples a token only in the step that brings it to its last token.
 
 Hand-over states (disaggregated serving: HELD with a lease on the prefill side, RECEIVING on
@@ -27,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.engine.burst_sharing import waits_for_sibling
 from pdserve.engine.checkpoint_plan import PlannedSave, plan_checkpoints
 from pdserve.engine.handover_states import DecodingLease, HandoverStates, HeldLease
 from pdserve.engine.prefix_cache import CacheEntry, Lookup, PrefixCache
@@ -117,6 +119,10 @@ class Scheduler(HandoverStates):
                 continue
             lookup = self._lookup(seq)
             cached = lookup.entry if lookup else None
+            if lookup is not None and waits_for_sibling(
+                self.prefix_cache, seq, cached.num_tokens if cached else 0, batch
+            ):
+                continue  # a prompt in this pass leaves a checkpoint of what they share
             if not self._free_slot(keep=cached):
                 break
             start = cached.num_tokens if cached else seq.num_computed_tokens
