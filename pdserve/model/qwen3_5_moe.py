@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +71,16 @@ class Qwen3MoeHybrid(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. Each layer's residual add is folded into
         the norm after it (the last layer's into the final norm)."""
+        layers = self.forward_layers(batch)
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                return done.value
+
+    def forward_layers(self, batch: ForwardBatch) -> Generator[None, None, torch.Tensor]:
+        """`forward` a decoder layer at a time: yields after launching each, returns the hidden
+        states (what a pass interleaved with other work between its layers runs)."""
         layers = self.model.layers
         residual = self.model.embed_tokens(batch.input_ids)
         h = layers[0].input_layernorm(residual)
@@ -76,6 +88,7 @@ class Qwen3MoeHybrid(nn.Module):
             parts, residual = layer(h, residual, batch)
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = next_norm(parts, residual)
+            yield
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

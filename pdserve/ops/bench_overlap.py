@@ -38,18 +38,10 @@ DECODE_CONTEXT = 1100
 
 
 def layer_by_layer(runner: ModelRunner, batch: ForwardBatch) -> Generator[None, None, torch.Tensor]:
-    """The model's forward (`Qwen3MoeHybrid.forward`) launched one decoder layer at a time: a
-    generator that yields after each layer and returns the last token's logits."""
-    model = runner.model
-    layers = model.model.layers
-    residual = model.model.embed_tokens(batch.input_ids)
-    h = layers[0].input_layernorm(residual)
-    for i, layer in enumerate(layers):
-        parts, residual = layer(h, residual, batch)
-        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-        h, residual = after(parts, residual)
-        yield
-    return model.compute_logits(h[-1:])
+    """The model's forward launched one decoder layer at a time (`forward_layers`): yields after
+    each layer, returns the last token's logits."""
+    hidden = yield from runner.model.forward_layers(batch)
+    return runner.model.compute_logits(hidden[-1:])
 
 
 def percentiles(seconds: list[float]) -> tuple[float, float]:
