@@ -123,6 +123,8 @@ class PeerDirectory:
         their names."""
         now, dropped = time.monotonic(), []
         async with self._lock:  # not while `connect` hands one out
+            for agent in [a for a in self._absent if a not in self._addresses]:
+                del self._absent[agent]  # forgotten meanwhile (restarted, failed)
             for agent in list(self._addresses):
                 if agent in self._known:
                     self._absent.pop(agent, None)
@@ -142,4 +144,7 @@ class PeerDirectory:
                 await self.refresh()
             except Exception:  # Redis away: keep the last view (the heartbeat logs the outage)
                 continue
-            await self.forget_departed()
+            try:
+                await self.forget_departed()
+            except Exception:  # the refresher must outlive it
+                log.exception("dropping departed peer agents failed")

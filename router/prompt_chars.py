@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import threading
 from typing import Any
 
 from tokenizers.models import BPE
@@ -69,17 +68,18 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
     return longest * (NORMALIZER_FACTOR if parts[0] is not None else 1)
 
 
-_first_pass = threading.Lock()  # one vocabulary pass, however many prompts ask at once
-
-
-def _bound_once(tokenizer: Tokenizer) -> int | None:
-    with _first_pass:  # the rest wait for the first pass and read its cached result
-        return max_chars_per_token(tokenizer)
+_passes: dict[Tokenizer, asyncio.Future] = {}  # the vocabulary pass under way, per tokenizer
 
 
 async def max_chars_per_token_async(tokenizer: Tokenizer) -> int | None:
     """`max_chars_per_token` on a worker thread: its first call must not stall the event loop
     (only texts long enough to be tokenized on a thread ask, so the hop costs nothing there).
-    The first burst of long prompts after start-up runs the pass once: each running its own, 32
-    at once under the GIL, had held the H200's first conversation turn back (session 15)."""
-    return await asyncio.to_thread(_bound_once, tokenizer)
+    The first burst of long prompts after start-up shares one pass: each running its own, 32 at
+    once under the GIL, had held the H200's first conversation turn back (session 15); waiting
+    callers hold no worker thread (tokenizing goes on meanwhile)."""
+    loop = asyncio.get_running_loop()
+    task = _passes.get(tokenizer)
+    if task is None or task.get_loop() is not loop:  # none under way here (done: the cache has it)
+        task = _passes[tokenizer] = loop.create_task(asyncio.to_thread(max_chars_per_token, tokenizer))
+        task.add_done_callback(lambda done: _passes.get(tokenizer) is done and _passes.pop(tokenizer))
+    return await asyncio.shield(task)  # a caller that leaves does not cancel the others' pass

@@ -4,8 +4,12 @@ it; their outputs equal those without the cache. A short shared prefix is not wo
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve import LLM, SamplingParams
 from pdserve.engine import burst_sharing
+from pdserve.engine.engine_thread import EngineThread
+from tests.helpers import assert_no_leaks
 from tests.test_prefix_cache import GREEDY, shared_prefix_prompts
 
 
@@ -43,3 +47,23 @@ def test_a_short_shared_prefix_does_not_wait(cached_llm: LLM) -> None:
     outs, prefilled = passes_of(cached_llm, prompts, GREEDY)
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
     assert prefilled == [3 * 128 + 20 + 25 + 30]  # one pass, as without the cache
+
+
+def test_a_pass_that_fails_gives_back_the_checkpoints_it_reserved(
+    cached_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sibling's branch checkpoint, reserved for a pass that then fails, is freed with the
+    requests the failure ends (it had leaked a state slot for good)."""
+    engine = cached_llm.engine
+    shared = 5 * engine.prefix_cache.block_size
+    for prompt in shared_prefix_prompts(shared, (20, 25), seed=63):
+        engine.add_request(prompt, GREEDY)
+
+    def failing(scheduled, patch=None):
+        assert any(s.saves for s in scheduled)  # the branch checkpoint was reserved in it
+        raise RuntimeError("an injected failure")
+
+    monkeypatch.setattr(engine.runner, "execute", failing)
+    EngineThread(engine, on_outputs=lambda outputs: None, on_error=lambda ids, why: None)._safe_step()
+    assert not engine.has_unfinished()
+    assert_no_leaks(engine)

@@ -7,6 +7,7 @@ caught by the hang ends, and the stack serves again."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
@@ -21,7 +22,7 @@ import redis
 
 from pdserve.hang_watch import HeartbeatWatch
 from pdserve.launcher import heartbeat_timeout
-from pdserve.registry import RedisServer, instance_key
+from pdserve.registry import InstanceInfo, InstanceRegistry, RedisServer, instance_key
 from pdserve.supervisor import Backoff, Child, is_running
 from tests.up_process import UpProcess, chat, no_leftover_children, serves_within
 
@@ -148,3 +149,28 @@ def test_a_heartbeat_timeout_below_the_ttl_is_refused() -> None:
     for bad in ("2.9", "-1", "nan"):
         with pytest.raises(argparse.ArgumentTypeError, match="at least 3"):
             heartbeat_timeout(bad)
+
+
+def test_heartbeat_stops_while_the_service_is_stuck() -> None:
+    """No beat while `stuck()` gives a reason: the key expires (routers stop sending work,
+    `pdserve up` restarts the service); beats resume when it gives None."""
+    reason: list[str | None] = ["the engine thread has been in one turn for 61 s"]
+
+    async def main(url: str) -> None:
+        async with InstanceRegistry(url, "t4") as registry:
+            current = lambda: InstanceInfo("prefill", "p-9", "127.0.0.1:1")  # noqa: E731
+            beats = registry.heartbeat_forever(current, 0.1, 0.4, stuck=lambda: reason[0])
+            task = asyncio.create_task(beats)
+            await asyncio.sleep(0.5)
+            assert await registry.instances("prefill") == []
+            reason[0] = None
+            await asyncio.sleep(0.3)
+            assert len(await registry.instances("prefill")) == 1
+            reason[0] = "held again"
+            await asyncio.sleep(0.7)
+            assert await registry.instances("prefill") == []
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    with RedisServer() as server:
+        asyncio.run(main(server.url))

@@ -96,7 +96,7 @@ def test_saves_inside_a_pass_equal_chunks_that_stop_there(
     torch.testing.assert_close(recurrent.cpu(), ref_recurrent, **tol)
 
 
-def test_no_saves_build_nothing_and_bad_offsets_are_refused() -> None:
+def test_no_saves_build_a_plan_only_for_short_chunks_and_bad_offsets_are_refused() -> None:
     assert MidPassSaves.build([5, 1], [0, 1], [[], []], HISTORY, "cpu") is None  # a chunk too long
     short = MidPassSaves.build([4, 1], [0, 1], [[], []], HISTORY, "cpu")  # no save, all short
     assert short is not None and short.num_saves == 0

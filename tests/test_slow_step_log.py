@@ -79,7 +79,7 @@ def test_a_step_held_past_the_limit_is_reported_stuck(
     try:
         time.sleep(0.4)
         reason = thread.stuck(0.2)
-        assert reason is not None and "in one step" in reason
+        assert reason is not None and "in one turn" in reason
         assert thread.stuck(0) is None  # 0: never judged
         release.set()
         deadline = time.monotonic() + 10

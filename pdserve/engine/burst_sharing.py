@@ -3,11 +3,11 @@
 A burst of requests with one system prompt (an agent's, a conversation benchmark's first turn)
 reaches the scheduler before any of them is cached, so each would compute the shared prefix in
 the same pass. Instead, a waiting prompt that shares at least MIN_SHARED_TOKENS more with a
-prompt prefilling in this pass than the cache holds for it waits one pass, and that pass leaves a
-checkpoint where the two part (a "branch" save reserved in the sibling's chunk, or the chunk end,
-which saves one anyway): next step its lookup restores it and it computes only its own tail.
-SGLang's scheduler does the like ("in-batch prefix caching"). The wait costs the prompt one
-pass; it is taken only where it saves at least MIN_SHARED_TOKENS of compute.
+prompt prefilling in this pass than the cache holds for it waits one pass, once, and that pass
+leaves a "branch" checkpoint reserved inside the sibling's chunk where the two part: next step
+its lookup restores it and it computes only its own tail. SGLang's scheduler does the like
+("in-batch prefix caching"). The wait costs the prompt one pass; it is taken only where it saves
+at least MIN_SHARED_TOKENS of compute, and never by a preempted sequence.
 """
 
 from __future__ import annotations
@@ -26,25 +26,20 @@ MIN_SHARED_TOKENS = 256
 
 def waits_for_sibling(cache: PrefixCache, seq: Sequence, have: int, batch: list[ScheduledSeq]) -> bool:
     """True when `seq` (the cache holds its first `have` tokens) should wait for a checkpoint that
-    a prompt prefilling in `batch` leaves this pass (reserved here when needed)."""
+    a prompt prefilling in `batch` leaves this pass (reserved here)."""
     block = cache.block_size
     mine = cache.seq_block_keys(seq, seq.num_prompt_tokens - 1)
-    if (len(mine) * block) - have < MIN_SHARED_TOKENS:
+    if len(mine) * block - have < MIN_SHARED_TOKENS:
         return False
     for item in batch:
         sibling, n = item.seq, item.num_new_tokens
         start = sibling.num_computed_tokens
-        if n <= 1 or sibling is seq or start >= sibling.num_prompt_tokens:
-            continue  # a decode row, or no prompt left to compute
         end = min(start + n, sibling.num_prompt_tokens)
-        theirs = cache.seq_block_keys(sibling, sibling.num_prompt_tokens)
-        shared = _common_prefix(mine, theirs) * block
-        point = min(shared, end)
+        if n <= 1 or sibling is seq or end - have <= MIN_SHARED_TOKENS:
+            continue  # a decode row, or too little of a prompt in this pass
+        theirs = cache.seq_block_keys(sibling, end - 1)  # blocks that end inside the chunk
+        point = _common_prefix(mine, theirs) * block
         if point <= start or point - have < MIN_SHARED_TOKENS:
-            continue
-        if point == end:  # the chunk ends there: a "chunk" checkpoint is saved after the pass
-            if end < sibling.num_prompt_tokens:
-                return True
             continue
         if any(save.position == point for save in item.saves) or _reserve(cache, item, point):
             return True
@@ -62,9 +57,13 @@ def _reserve(cache: PrefixCache, item: ScheduledSeq, point: int) -> bool:
 
 
 def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading block keys `a` and `b` share. Keys are chained (each hashes the one before
+    it), so a match at block i means every block before matches: a bisection."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[high] != b[high] or past the end
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

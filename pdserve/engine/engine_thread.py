@@ -106,7 +106,7 @@ class EngineThread:
         (0: never), else None."""
         busy = self.busy_s()
         if limit_s and busy > limit_s:
-            return f"the engine thread has been in one step for {busy:.0f} s (limit {limit_s:g} s)"
+            return f"the engine thread has been in one turn (step or call) for {busy:.0f} s, over {limit_s:g}"
         return None
 
     def _run(self) -> None:
@@ -121,6 +121,7 @@ class EngineThread:
             self._turn_started = None
             self._wake.wait(self.idle_s if busy else 0.05)
             self._wake.clear()
+        self._turn_started = None
 
     def _run_calls(self) -> None:
         while True:

@@ -149,7 +149,11 @@ class LLMEngine:
 
     def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None, scheduled_at: float) -> InFlight:
         self.last_pass = scheduled  # what a slow step ran (EngineThread's warning names it)
-        logits = self.runner.execute(scheduled, ahead.patch_for(scheduled) if ahead else None)
+        try:
+            logits = self.runner.execute(scheduled, ahead.patch_for(scheduled) if ahead else None)
+        except Exception:
+            self.scheduler.abandon(scheduled)  # the checkpoints it reserved, never filled
+            raise
         sampling = [s.seq for s in scheduled if s.samples]
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens

@@ -119,9 +119,13 @@ class Scheduler(HandoverStates):
                 continue
             lookup = self._lookup(seq)
             cached = lookup.entry if lookup else None
-            if lookup is not None and waits_for_sibling(
-                self.prefix_cache, seq, cached.num_tokens if cached else 0, batch
+            if (
+                lookup is not None
+                and not seq.waited_for_sibling
+                and not seq.output_token_ids  # preempted: its turn, as before
+                and waits_for_sibling(self.prefix_cache, seq, cached.num_tokens if cached else 0, batch)
             ):
+                seq.waited_for_sibling = True  # once: it never waits again
                 continue  # a prompt in this pass leaves a checkpoint of what they share
             if not self._free_slot(keep=cached):
                 break
@@ -209,6 +213,13 @@ class Scheduler(HandoverStates):
             cache.save(seq, kind)
         elif 0 < n < seq.num_prompt_tokens:
             cache.save(seq, "chunk")
+
+    def abandon(self, scheduled: list[ScheduledSeq]) -> None:
+        """A pass that failed before it ran: free the checkpoints reserved inside its chunks."""
+        for item in scheduled:
+            for save in item.saves:
+                self.prefix_cache.checkpoints.free(save.checkpoint)
+            item.saves.clear()
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give `seq` pages for `n` more tokens; False when the pool cannot."""

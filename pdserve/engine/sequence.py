@@ -48,6 +48,7 @@ class Sequence:
     # prefix cache must not restore any of them for it
     prompt_logprobs: list[dict | None] | None = None
     skip_prefix_cache: bool = False
+    waited_for_sibling: bool = False  # held back one pass for a shared prefix (engine.burst_sharing)
     # Hand-over (prefill service): after its first token the sequence is HELD, its pages and
     # slot kept under a lease until a decode instance has pulled them, instead of decoding on.
     handoff: bool = False

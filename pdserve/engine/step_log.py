@@ -9,12 +9,14 @@ scheduler's `running` / `waiting` counts after it. A step that launched nothing 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import TextIO
 
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 
 ENV = "PDSERVE_STEP_LOG"
+logger = logging.getLogger(__name__)
 
 
 class StepLog:
@@ -29,7 +31,7 @@ class StepLog:
 
     def record(self, start: float, took: float, last_pass: list[ScheduledSeq], scheduler: Scheduler) -> None:
         """One line for the step that began at `start`, when it launched a pass (`last_pass` is new)."""
-        if self._file is None or last_pass is self._last:
+        if self._file is None or not last_pass or last_pass is self._last:
             return
         self._last = last_pass
         chunks = [s.num_new_tokens for s in last_pass if s.num_new_tokens > 1]
@@ -43,7 +45,11 @@ class StepLog:
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
         }
-        self._file.write(json.dumps(line) + "\n")
+        try:
+            self._file.write(json.dumps(line) + "\n")
+        except OSError as e:  # a full disk must not stop the engine: the log stops instead
+            logger.warning("step log stopped: %s", e)
+            self.close()
 
     def close(self) -> None:
         if self._file is not None:

@@ -48,7 +48,7 @@ class HostTier:
         self.kv = _like(kv_pool.kv, 2, num_pages, pin)
         self.num_checkpoints, self.num_pages = num_checkpoints, num_pages
         self._free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
-        self._free_pages = list(range(num_pages))  # a heap: lowest first, so an entry's pages run together
+        self._free_pages = list(range(num_pages))  # a heap, lowest first: an entry's pages tend to run
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,8 @@ on its way through:
     instead of a chunked scan, whose host cost (~1.5 ms a call through fla) made every chat
     prompt's pass host-bound (py-spy of the served conversations, docs/benchmarks.md). So does a
     pass without saves whose chunks are all that short (cache hits' tails, decode rows beside
-    them): a plan of one piece, no checkpoint.
+    them): a plan of one piece, no checkpoint. On CUDA the limit is RECURRENT_MAX_CUDA, 0 (none of
+    this runs there) until the H200 has run the cuda cases of tests/test_mid_pass_saves.py.
 Attention layers and every other op see the pass as one.
 """
 
