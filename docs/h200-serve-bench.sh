@@ -10,7 +10,8 @@
 #   CELLS="1024:4 1024:16 1024:32 8192:4 8192:16" WHEELS=. bash docs/h200-serve-bench.sh
 # After the cells, optionally: CONV=C:T, C concurrent T-turn conversations (AIPerf multi-turn: a
 # 2,048-token shared system prompt, 128 new tokens and 128 output tokens a turn; issue 9's
-# workload), with TTFT per turn; LONG="131072 262136", `pdserve bench-long` (issue 12: each long
+# workload), with TTFT per turn, and with CONV_NOCACHE=1 again on a stack restarted with
+# --no-enable-prefix-caching (issue 9's point 5 ratio, one machine); LONG="131072 262136", `pdserve bench-long` (issue 12: each long
 # prompt in turn while 4 short streams decode). UP_FLAGS go to `pdserve up` (e.g.
 # --no-enable-prefix-caching); MAX_MODEL_LEN= (empty) leaves max_model_len to the engine.
 set -uo pipefail
@@ -73,16 +74,20 @@ python3 -m pdserve.cli make-tiny /tmp/tiny >/dev/null 2>&1 || exit 1
 mkdir -p $MODEL && cp /tmp/tiny/tokenizer* /tmp/tiny/generation_config.json $MODEL/
 python3 -c "import json; from pdserve.bench import QWEN36_35B_A3B as c; print(json.dumps(c))" >$MODEL/config.json
 
-log "pdserve up"
-python3 -m pdserve.cli up --model $MODEL --load-format dummy --served-model-name qwen36 --port 8000 \
-    ${MAX_MODEL_LEN:+--max-model-len $MAX_MODEL_LEN} $UP_FLAGS >"$OUT/up.log" 2>&1 &
-UP=$!
-for _ in $(seq 600); do
-    grep -q "pdserve is up" "$OUT/up.log" && break
-    kill -0 $UP 2>/dev/null || { tail -40 "$OUT/up.log"; exit 1; }
-    sleep 1
-done
-log "up: $(grep -m1 'ready in' "$OUT/up.log")"
+start_up() {  # start_up LOG [FLAGS...]: `pdserve up` in the background ($UP), back when it serves
+    local up_log=$1; shift
+    log "pdserve up $*"
+    python3 -m pdserve.cli up --model $MODEL --load-format dummy --served-model-name qwen36 --port 8000 \
+        ${MAX_MODEL_LEN:+--max-model-len $MAX_MODEL_LEN} "$@" >"$OUT/$up_log" 2>&1 &
+    UP=$!
+    for _ in $(seq 600); do
+        grep -q "pdserve is up" "$OUT/$up_log" && break
+        kill -0 $UP 2>/dev/null || { tail -40 "$OUT/$up_log"; exit 1; }
+        sleep 1
+    done
+    log "up: $(grep -m1 'ready in' "$OUT/$up_log")"
+}
+start_up up.log $UP_FLAGS
 tcache_save "$OUT" | tee -a "$OUT/bench.log"  # warm-up compiled every kernel the cells use
 grep -m3 -i "max_model_len" "$OUT/up.log" | tee -a "$OUT/bench.log"
 curl -s localhost:8000/v1/models | tee -a "$OUT/bench.log"; echo | tee -a "$OUT/bench.log"
@@ -117,18 +122,18 @@ print("  output tok/s", m("output_token_throughput"), "| TTFT p50/p99 ms", m("ti
 EOF
     split
 done
-if [ -n "$CONV" ]; then
-    c=${CONV%:*} turns=${CONV#*:}
-    log "aiperf conversations: $c x $turns turns ($UP_FLAGS)"
-    [ "$PROFILE_CELL" = conv ] && profile_roles
+run_conv() {  # run_conv TAG: the CONV workload against the stack up now
+    local tag=$1 c=${CONV%:*} turns=${CONV#*:}
+    log "aiperf conversations ($tag): $c x $turns turns"
+    [ "$PROFILE_CELL" = conv ] && [ "$tag" = cache ] && profile_roles
     snap before
     timeout 300 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
         --tokenizer $MODEL --shared-system-prompt-length 2048 --isl 128 --isl-stddev 0 --osl 128 \
         --extra-inputs ignore_eos:true --conversation-num "$c" --conversation-turn-mean "$turns" \
-        --conversation-turn-stddev 0 --concurrency "$c" --ui none --artifact-dir /tmp/aiperf/conv \
-        >"$OUT/aiperf-conv.log" 2>&1
-    find /tmp/aiperf/conv -name profile_export.jsonl -exec cp {} "$OUT/conv-records.jsonl" \;
-    python3 - /tmp/aiperf/conv <<'EOF3' | tee -a "$OUT/bench.log"
+        --conversation-turn-stddev 0 --concurrency "$c" --ui none --artifact-dir "/tmp/aiperf/conv-$tag" \
+        >"$OUT/aiperf-conv-$tag.log" 2>&1
+    find "/tmp/aiperf/conv-$tag" -name profile_export.jsonl -exec cp {} "$OUT/conv-records-$tag.jsonl" \;
+    python3 - "/tmp/aiperf/conv-$tag" "$OUT/conv-$tag.p50" <<'EOF3' | tee -a "$OUT/bench.log"
 import collections, json, pathlib, statistics, sys
 rows = collections.defaultdict(list)
 for path in pathlib.Path(sys.argv[1]).rglob("profile_export.jsonl"):
@@ -140,6 +145,7 @@ for path in pathlib.Path(sys.argv[1]).rglob("profile_export.jsonl"):
             rows[r["metadata"]["turn_index"]].append(
                 (value("time_to_first_token"), value("usage_prompt_tokens"), value("usage_prompt_cache_read_tokens")))
 every = [x for turn in rows.values() for x in turn]
+open(sys.argv[2], "w").write(f"{statistics.median(t for t, _, _ in every):.1f}\n")
 print(f"  all turns: {len(every)} requests, TTFT p50 {statistics.median(t for t, _, _ in every):.0f} ms, "
       f"cached {sum(c for _, _, c in every) / max(1, sum(p for _, p, _ in every)):.1%} of prompt tokens")
 for turn in sorted(rows):
@@ -148,6 +154,19 @@ for turn in sorted(rows):
           f"(max {max(ttft):.0f}), prompt {statistics.mean(prompt):.0f} tokens, cached {statistics.mean(cached):.0f}")
 EOF3
     split
+}
+if [ -n "$CONV" ]; then
+    run_conv cache
+    if [ -n "${CONV_NOCACHE:-}" ]; then  # issue 9's ratio: the same workload without the cache, same machine
+        kill -TERM $UP; wait $UP
+        start_up up-nocache.log $UP_FLAGS --no-enable-prefix-caching
+        run_conv nocache
+        python3 - "$OUT/conv-cache.p50" "$OUT/conv-nocache.p50" <<'EOF5' | tee -a "$OUT/bench.log"
+import sys
+cached, plain = (float(open(path).read()) for path in sys.argv[1:])
+print(f"  conversations TTFT p50: {cached:.0f} ms with the cache, {plain:.0f} ms without: {cached / plain:.0%}")
+EOF5
+    fi
 fi
 if [ -n "$LONG" ]; then
     log "bench-long: $LONG"
