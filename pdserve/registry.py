@@ -189,13 +189,12 @@ class InstanceRegistry:
         failing, was_stuck = False, False
         while True:
             reason = stuck()
-            if reason is not None or was_stuck:
-                if (reason is not None) != was_stuck:
-                    log.warning("heartbeat: %s", f"stopped: {reason}" if reason else "beating again")
+            if (reason is not None) != was_stuck:  # said once each way
+                log.warning("heartbeat: %s", f"stopped: {reason}" if reason else "beating again")
                 was_stuck = reason is not None
-                if was_stuck:
-                    await asyncio.sleep(interval_s)
-                    continue
+            if was_stuck:
+                await asyncio.sleep(interval_s)
+                continue
             try:
                 await self.register(get_info(), ttl_s)
                 if failing:

@@ -81,7 +81,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         "--engine-stuck-timeout",
         type=float,
         default=60.0,
-        help="stop the heartbeat while the engine is held in one step this long (s; 0: never)",
+        help="stop the heartbeat while the engine thread is held in one step or call this long (s; 0: never)",
     )
     if role in ("prefill", "engine"):
         parser.add_argument(

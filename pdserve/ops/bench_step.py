@@ -164,6 +164,34 @@ def compare_logits(logits: dict, tags: list[str], sizes: list[int]) -> None:
             print(f"[{tag} vs {base}] c={c}: logits rel. error {rel:.2e}, same greedy token {same:.0%}")
 
 
+def run_variants(runner: ModelRunner, variants: list, base: dict[str, int], args: argparse.Namespace,
+                 start: float) -> list[dict]:  # fmt: skip
+    """Each variant's graphs captured with its switches, profiled at every concurrency from the
+    same GDN states; the logits compared with the first variant's. The results, in order."""
+    max_c, results, logits = max(args.concurrency), [], {}
+    batches = {c: decode_batch(runner, c, args.context) for c in args.concurrency}
+    recurrent, conv = runner.state_pool.recurrent.clone(), runner.state_pool.conv.clone()
+    for tag, values in variants:
+        apply_variant(base, values)
+        graphs = DecodeGraphs(runner.model, runner.kv_pool, runner.state_pool, max_c,
+                              runner.kv_pool.pages_for(runner.config.max_model_len))  # fmt: skip
+        graphs.sizes = sorted(args.concurrency)
+        graphs.capture()
+        print(f"[{tag}] model, pools and {len(graphs.sizes)} graphs ready in "
+              f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+        for c in args.concurrency:
+            runner.state_pool.recurrent.copy_(recurrent)  # every variant starts from the same states
+            runner.state_pool.conv.copy_(conv)
+            logits[tag, c] = graphs.replay(batches[c]).float().cpu()
+            if args.save_logits is not None:
+                torch.save(logits[tag, c], args.save_logits / f"logits_{tag}_c{c}.pt")
+            results.append(profile(graphs, batches[c], c, args.context, tag))
+        del graphs
+        torch.cuda.empty_cache()
+    compare_logits(logits, [t for t, _ in variants], args.concurrency)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 32])
@@ -209,27 +237,7 @@ def main() -> None:
         runner.state_pool.recurrent.normal_(0.0, 0.05, generator=gen)
         runner.state_pool.conv.normal_(0.0, 1.0, generator=gen)
         variants = [parse_variant(v) for v in args.variants] or [(args.tag, {})]
-        batches = {c: decode_batch(runner, c, args.context) for c in args.concurrency}
-        recurrent, conv = runner.state_pool.recurrent.clone(), runner.state_pool.conv.clone()
-        results, logits = [], {}
-        for tag, values in variants:
-            apply_variant(base, values)
-            graphs = DecodeGraphs(runner.model, runner.kv_pool, runner.state_pool, max_c,
-                                  runner.kv_pool.pages_for(config.max_model_len))  # fmt: skip
-            graphs.sizes = sorted(args.concurrency)
-            graphs.capture()
-            print(f"[{tag}] model, pools and {len(graphs.sizes)} graphs ready in "
-                  f"{time.perf_counter() - start:.0f} s")  # fmt: skip
-            for c in args.concurrency:
-                runner.state_pool.recurrent.copy_(recurrent)  # every variant starts from the same states
-                runner.state_pool.conv.copy_(conv)
-                logits[tag, c] = graphs.replay(batches[c]).float().cpu()
-                if args.save_logits is not None:
-                    torch.save(logits[tag, c], args.save_logits / f"logits_{tag}_c{c}.pt")
-                results.append(profile(graphs, batches[c], c, args.context, tag))
-            del graphs
-            torch.cuda.empty_cache()
-        compare_logits(logits, [t for t, _ in variants], args.concurrency)
+        results = run_variants(runner, variants, base, args, start)
     append_json_lines(args.out, results)
 
 
