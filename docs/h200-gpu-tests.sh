@@ -16,7 +16,7 @@ export LD_LIBRARY_PATH=/tmp/rx/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 N=${GPU_TEST_WORKERS:-8}
 PAR=() && [ "$N" -gt 1 ] && python3 -c "import xdist" 2>/dev/null && PAR=(-n "$N" --dist loadfile)
-python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 "${PAR[@]}" "$@"
+timeout "${GPU_TEST_SECONDS:-520}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 "${PAR[@]}" "$@"
 status=$?
 [ -n "${OUT:-}" ] && tcache_save "$OUT"
 exit $status

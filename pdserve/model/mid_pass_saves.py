@@ -32,9 +32,8 @@ from pdserve import ops
 from pdserve.pinned import to_device, to_device_many
 
 RECURRENT_MAX = 4  # a piece whose segments are all this short runs as recurrent steps
-# on CUDA: 0 (off) until the H200 has run tests/test_mid_pass_saves.py's cuda cases with it
-# (written in session 15 after its device time was spent; docs/architecture.md, Decisions)
-RECURRENT_MAX_CUDA = 0
+# on CUDA the same (tests/test_mid_pass_saves.py's cuda cases and the gpu suite pass with it on)
+RECURRENT_MAX_CUDA = RECURRENT_MAX
 
 
 @dataclass(slots=True)
