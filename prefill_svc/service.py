@@ -142,7 +142,9 @@ class PrefillService(ServiceRole):
                     request_id=out.request_id,
                     token_id=out.new_token_ids[0] if out.new_token_ids else None,  # None: max_tokens 0
                     text_delta=out.text_delta,
-                    logprobs=out.logprobs,
+                    # copied here, on the engine thread: a request decoding on in this engine
+                    # appends to its own list while the result waits to be sent
+                    logprobs=None if out.logprobs is None else list(out.logprobs),
                     prompt_logprobs=out.prompt_logprobs,
                     finished=out.finished,
                     finish_reason=out.finish_reason,

@@ -6,7 +6,8 @@ instance caches a longer prefix still (it generated the conversation's previous 
 request names it (`GenerateItem.prefix_source`) and the prefill instance may pull it. So it does
 when the burst goes elsewhere because the prefill instance holding the prefix is too busy
 (`InstanceSet.pick`'s slack): the one taking it may pull from the busy one. A burst
-goes out as one `prefill` stream when it is full or `window_s` after its first request. Each
+goes out as one `prefill` stream when it is full (`max_requests`, or `max_tokens` of work: the
+tokens past each prompt's cached prefix) or `window_s` after its first request. Each
 request's `PrefillResult` settles its future as soon as it arrives. A prefill instance that
 fails before a request's first token has that request sent once more, to another instance. A
 request whose client leaves is taken out of a burst not yet sent, or aborted on the instance
@@ -60,6 +61,7 @@ class Pending:
     sent_to: InstanceInfo | None = None  # the prefill instance its burst went to
     tries: int = 0
     holder: dict | None = None  # the prefill holder of its prefix, as a prefix_source (if it is busy)
+    new_tokens: int = 0  # its prompt tokens past the longest prefix its instance caches: its work
     created: float = field(default_factory=time.monotonic)  # when it asked for its first token
 
 
@@ -102,7 +104,8 @@ class PrefillBursts:
         if exclude:  # a retry goes alone, around the instance that failed it
             self.background.spawn(self._send_burst([pending], None, frozenset(exclude)))
         else:
-            target, item.prefix_source, pending.holder = await self._prefix_choice(req)
+            target, item.prefix_source, pending.holder, cached = await self._prefix_choice(req)
+            pending.new_tokens = len(req.prompt_token_ids) - cached
             self._join(pending, target)
         try:
             return await pending.future
@@ -113,7 +116,7 @@ class PrefillBursts:
     def _join(self, pending: Pending, target: str | None) -> None:
         burst = self._bursts.setdefault(target, Burst())
         burst.items.append(pending)
-        burst.tokens += len(pending.item.prompt_token_ids)
+        burst.tokens += pending.new_tokens
         if burst.tokens >= self.config.max_tokens or len(burst.items) >= self.config.max_requests:
             self._flush(target)
         elif burst.timer is None:
@@ -123,7 +126,7 @@ class PrefillBursts:
         burst = self._bursts.get(target)
         if burst is not None and pending in burst.items:  # not sent yet: just leave the burst
             burst.items.remove(pending)
-            burst.tokens -= len(pending.item.prompt_token_ids)
+            burst.tokens -= pending.new_tokens
             return
         future = pending.future
         if future.done() and not future.cancelled() and future.exception() is None:
@@ -133,16 +136,17 @@ class PrefillBursts:
         elif pending.sent_to is not None:
             self.background.spawn(self._abort(pending.sent_to, pending.req.request_id))
 
-    async def _prefix_choice(self, req: GenerateRequest) -> tuple[str | None, dict | None, dict | None]:
+    async def _prefix_choice(self, req: GenerateRequest) -> tuple[str | None, dict | None, dict | None, int]:
         """The live prefill instance holding the longest cached prefix of the prompt (None: route
-        by load); the decode instance holding a longer one, as a `prefix_source` (or None); and
-        that prefill holder's entry as a `prefix_source`, for when it is too busy to take it."""
+        by load); the decode instance holding a longer one, as a `prefix_source` (or None); that
+        prefill holder's entry as a `prefix_source`, for when it is too busy to take it; and how
+        many of the prompt's tokens that prefill holder caches (0 without one)."""
         prefill, decode = self.instances.live["prefill"], self.instances.live["decode"]
         info = next(
             (i.extra for i in [*prefill.values(), *decode.values()] if i.extra.get("prefix_block_size")), None
         )
         if info is None or len(req.prompt_token_ids) < 2:
-            return None, None, None
+            return None, None, None, 0
         live = set(prefill) | set(decode)
         try:
             holders = await prefix_holders(
@@ -154,19 +158,20 @@ class PrefillBursts:
             )
         except Exception as e:  # Redis briefly away: route by load alone
             log.warning("prefix lookup failed: %s", e)
-            return None, None, None
+            return None, None, None, 0
         best_prefill = next((h for h in holders if h.instance_id in prefill), None)
         target = best_prefill.instance_id if best_prefill else None
         holder = None if best_prefill is None else _source(prefill[target], best_prefill)
+        cached = 0 if best_prefill is None else best_prefill.num_tokens
         best = holders[0] if holders else None
         if best is None or best.instance_id not in decode:
-            return target, None, holder
+            return target, None, holder, cached
         if best_prefill is not None and best.num_tokens <= best_prefill.num_tokens:
-            return target, None, holder
+            return target, None, holder, cached
         source = _source(decode[best.instance_id], best)
         if source is not None:
             self.metrics.prefix_pull_hints.inc()
-        return target, source, holder
+        return target, source, holder, cached
 
     def _flush(self, target: str | None) -> None:
         burst = self._bursts.pop(target, None)

@@ -94,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--burst-window-ms", type=float, default=5.0, help="gather a burst for this long")
     parser.add_argument(
-        "--burst-max-tokens", type=int, default=16384, help="send a burst at this many tokens"
+        "--burst-max-tokens",
+        type=int,
+        default=16384,
+        help="send a burst at this many tokens to compute (past the prefixes its instance caches)",
     )
     parser.add_argument(
         "--shutdown-timeout",

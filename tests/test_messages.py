@@ -39,6 +39,9 @@ def test_messages_round_trip_through_msgpack() -> None:
         (lease(state_slot=-1), Lease, "non-negative"),
         (lease(kv_pages=[1, "2"]), Lease, "kv_pages must be a list of integers"),
         (lease(kv_pages=[2**64]), Lease, "kv_pages must be a list of integers"),
+        (lease(kv_pages=[1, True]), Lease, "kv_pages must be a list of integers"),
+        (lease(kv_pages=[3, -1, 2]), Lease, "kv_pages must be a list of integers"),
+        (lease(kv_pages=[1.0]), Lease, "kv_pages must be a list of integers"),
         (lease(extra=1), Lease, "unknown fields"),
         ({"requests": []}, PrefillBurst, "at least one request"),
         (
