@@ -83,7 +83,7 @@ def test_saves_inside_a_pass_equal_chunks_that_stop_there(
     x, q, k, v, gate, beta = (t.to(device) for t in inputs)
     conv, recurrent, weight = conv.to(device), recurrent.to(device), weight.to(device)
     saved = MidPassSaves.build(lengths, slots, saves, HISTORY, device)
-    assert [piece.steps is not None for piece in saved.pieces] == recurrent_pieces
+    assert [piece.recurrent for piece in saved.pieces] == recurrent_pieces
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     saved.save_conv(x, conv)
     conv_out = ops.causal_conv1d_prefill(x, weight, cu, conv, torch.tensor(slots, device=device))
@@ -96,11 +96,32 @@ def test_saves_inside_a_pass_equal_chunks_that_stop_there(
     torch.testing.assert_close(recurrent.cpu(), ref_recurrent, **tol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_recurrent_prefill_equals_the_chunked_scan(device: str) -> None:
+    """`ops.gdn_recurrent_prefill` (a token at a time, one launch on CUDA) gives the chunked
+    scan's outputs and final states: sequences of 1 to 300 tokens packed, grouped value heads,
+    slots out of order; on CUDA against the CPU reference, within fla's tf32 rounding."""
+    lengths, slots = [1, 7, 64, 130, 300], [5, 0, 3, 6, 2]
+    x, q, k, v, gate, beta = _inputs(sum(lengths), seed=3)
+    pool = torch.randn(7, HV, DK, DV, generator=torch.Generator().manual_seed(4)) * 0.1
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    ref_pool = pool.clone()
+    ref = ops.gdn_chunk_prefill(q, k, v, gate, beta, cu, ref_pool, torch.tensor(slots))
+    on = [t.to(device) for t in (q, k, v, gate, beta, cu, pool, torch.tensor(slots))]
+    out = ops.gdn_recurrent_prefill(*on)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if device == "cpu" else {"rtol": 5e-3, "atol": 5e-3}
+    torch.testing.assert_close(out.cpu(), ref, **tol)
+    torch.testing.assert_close(on[6].cpu(), ref_pool, **tol)
+    untouched = [s for s in range(7) if s not in slots]
+    torch.testing.assert_close(on[6][untouched].cpu(), pool[untouched], rtol=0, atol=0)
+
+
 def test_no_saves_build_a_plan_only_for_short_chunks_and_bad_offsets_are_refused() -> None:
     assert MidPassSaves.build([5, 1], [0, 1], [[], []], HISTORY, "cpu") is None  # a chunk too long
     short = MidPassSaves.build([4, 1], [0, 1], [[], []], HISTORY, "cpu")  # no save, all short
     assert short is not None and short.num_saves == 0
-    assert [piece.steps is not None for piece in short.pieces] == [True]
+    assert [piece.recurrent for piece in short.pieces] == [True]
+    assert short.pieces[0].tokens is None  # the whole pass in order: scanned without a gather
     for bad in ([(0, 3)], [(4, 3)], [(2, 3), (2, 5)], [(3, 3), (1, 5)]):
         with pytest.raises(ValueError, match="inside a chunk"):
             MidPassSaves.build([4, 1], [0, 1], [bad, []], HISTORY, "cpu")

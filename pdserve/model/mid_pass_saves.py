@@ -11,13 +11,15 @@ on its way through:
     after piece r, the state of each sequence saving there is copied to its checkpoint, and
     piece r+1 continues from the sequence's own slot. Sequences with no save run whole in the
     first piece, so a pass with one save point scans twice per GDN layer. A piece whose
-    segments are all short (at most RECURRENT_MAX tokens: a chat prompt's tail after its resume
-    point is two) runs as that many recurrent steps (`ops.gdn_recurrent_step`, the decode maths)
-    instead of a chunked scan, whose host cost (~1.5 ms a call through fla) made every chat
-    prompt's pass host-bound (py-spy of the served conversations, docs/benchmarks.md). So does a
-    pass without saves whose chunks are all that short (cache hits' tails, decode rows beside
-    them): a plan of one piece, no checkpoint. On CUDA the limit is RECURRENT_MAX_CUDA, 0 (none of
-    this runs there) until the H200 has run the cuda cases of tests/test_mid_pass_saves.py.
+    segments are all short (at most RECURRENT_MAX tokens; on CUDA RECURRENT_MAX_CUDA, and
+    RECURRENT_TOKENS_CUDA in all: a chat prompt's tail after its resume point is two tokens,
+    a follow-up turn's new tokens a few hundred) runs through `ops.gdn_recurrent_prefill`,
+    the recurrence a token at a time in one launch, instead of a chunked scan, whose host
+    cost (~1.2 ms a call through fla) made every chat prompt's pass host-bound (py-spy of
+    the served conversations, docs/benchmarks.md). So does a pass without saves whose chunks
+    are all that short (cache hits' tails, follow-up turns): a plan of one piece, no
+    checkpoint. A piece that is the whole pass in order scans the layer's tensors as they
+    are (no gather, no scatter).
 Attention layers and every other op see the pass as one.
 """
 
@@ -31,21 +33,23 @@ import torch
 from pdserve import ops
 from pdserve.pinned import to_device, to_device_many
 
-RECURRENT_MAX = 4  # a piece whose segments are all this short runs as recurrent steps
-# on CUDA the same (tests/test_mid_pass_saves.py's cuda cases and the gpu suite pass with it on)
-RECURRENT_MAX_CUDA = RECURRENT_MAX
+RECURRENT_MAX = 4  # a piece whose segments are all this short runs token by token (CPU)
+# on CUDA: where one launch looping over the tokens costs less than fla's ~0.8-1.5 ms of host time
+# a call, at most 512 tokens a segment and 2,048 a piece (its GPU time is ~1.2 us a token of the
+# longest segment, ~0.47 us a token of the piece past 8 sequences: H200, one full-shape layer,
+# `python -m pdserve.ops.bench_gdn_prefill`, docs/benchmarks.md session 16)
+RECURRENT_MAX_CUDA = 512
+RECURRENT_TOKENS_CUDA = 2048
 
 
 @dataclass(slots=True)
 class ScanPiece:
-    tokens: torch.Tensor  # [Tp] int64: the packed tokens this piece scans, in order
+    tokens: torch.Tensor | None  # [Tp] int64: the packed tokens this piece scans (None: all, in order)
     cu_seqlens: torch.Tensor  # [Np+1] int32: their sequence boundaries
     state_slots: torch.Tensor  # [Np] int64
     save_from: torch.Tensor  # [Mp] int64: slots whose state after this piece is a checkpoint
     save_to: torch.Tensor  # [Mp] int64: those checkpoints (state slots)
-    # set when every segment is at most RECURRENT_MAX tokens: step j's (packed token of each
-    # segment longer than j, its state slot), run one token a sequence at a time
-    steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    recurrent: bool  # every segment is short: `ops.gdn_recurrent_prefill`, not the chunked scan
 
 
 @dataclass(slots=True)
@@ -67,15 +71,17 @@ class MidPassSaves:
         """`saves[i]`: (offset into sequence i's chunk, checkpoint) in order, each offset strictly
         inside the chunk. None when no sequence saves inside this pass and its chunks are not all
         short (a pass of short chunks alone, a cache hit's tail, is one piece of recurrent steps)."""
-        limit = RECURRENT_MAX_CUDA if torch.device(device).type == "cuda" else RECURRENT_MAX
+        on_cuda = torch.device(device).type == "cuda"
+        limit = RECURRENT_MAX_CUDA if on_cuda else RECURRENT_MAX
+        token_limit = RECURRENT_TOKENS_CUDA if on_cuda else sum(chunk_lens)
         rounds = max((len(s) for s in saves), default=0)
-        if rounds == 0 and max(chunk_lens, default=limit + 1) > limit:
+        if rounds == 0 and (max(chunk_lens, default=limit + 1) > limit or sum(chunk_lens) > token_limit):
             return None
         for length, points in zip(chunk_lens, saves, strict=True):
             offsets = [o for o, _ in points]
             if offsets != sorted(set(offsets)) or any(not 0 < o < length for o in offsets):
                 raise ValueError(f"save offsets {offsets} must rise strictly inside a chunk of {length}")
-        starts = [0]
+        total, starts = sum(chunk_lens), [0]
         for length in chunk_lens[:-1]:
             starts.append(starts[-1] + length)
         pieces = []
@@ -91,14 +97,12 @@ class MidPassSaves:
                 if r < len(points):
                     save_from.append(slot)
                     save_to.append(points[r][1])
-            lengths = [b - a for a, b in pairwise(cu)]
-            steps = _recurrent_steps(tokens, cu, slots) if max(lengths) <= limit else []
-            lists = [tokens, slots, save_from, save_to, *(x for step in steps for x in step)]
-            tokens_t, slots_t, from_t, to_t, *step_t = to_device_many(lists, torch.int64, device)
-            piece = ScanPiece(tokens_t, to_device(cu, torch.int32, device), slots_t, from_t, to_t)
-            if steps:
-                piece.steps = list(zip(step_t[::2], step_t[1::2], strict=True))
-            pieces.append(piece)
+            recurrent = max(b - a for a, b in pairwise(cu)) <= limit and len(tokens) <= token_limit
+            whole = len(tokens) == total and tokens == list(range(total))
+            lists = [tokens, slots, save_from, save_to]
+            tokens_t, slots_t, from_t, to_t = to_device_many(lists, torch.int64, device)
+            cu_t = to_device(cu, torch.int32, device)
+            pieces.append(ScanPiece(None if whole else tokens_t, cu_t, slots_t, from_t, to_t, recurrent))
         flat = [
             (start, slot, offset, ck)
             for start, slot, points in zip(starts, state_slots, saves, strict=True)
@@ -132,27 +136,17 @@ class MidPassSaves:
         """`ops.gdn_chunk_prefill` over the whole pass, in pieces, saving the checkpoints."""
         out = torch.empty_like(v)
         for piece in self.pieces:
-            if piece.steps is not None:
-                for t, slots in piece.steps:
-                    out[t] = ops.gdn_recurrent_step(q[t], k[t], v[t], g[t], beta[t], recurrent_pool, slots)
+            t = piece.tokens
+            inputs = (q, k, v, g, beta) if t is None else (q[t], k[t], v[t], g[t], beta[t])
+            scan = ops.gdn_recurrent_prefill if piece.recurrent else ops.gdn_chunk_prefill
+            o = scan(*inputs, piece.cu_seqlens, recurrent_pool, piece.state_slots)
+            if t is None:
+                out = o
             else:
-                t = piece.tokens
-                out[t] = ops.gdn_chunk_prefill(
-                    q[t], k[t], v[t], g[t], beta[t], piece.cu_seqlens, recurrent_pool, piece.state_slots
-                )
+                out[t] = o
             if piece.save_to.numel():
                 recurrent_pool.index_copy_(0, piece.save_to, recurrent_pool.index_select(0, piece.save_from))
         return out
-
-
-def _recurrent_steps(tokens: list[int], cu: list[int], slots: list[int]) -> list[tuple[list[int], list[int]]]:
-    """Segment n of a piece is tokens[cu[n]:cu[n+1]]: step j takes the j-th token of every
-    segment longer than j, with its slot."""
-    steps = []
-    for j in range(max(b - a for a, b in pairwise(cu))):
-        live = [n for n in range(len(slots)) if cu[n] + j < cu[n + 1]]
-        steps.append(([tokens[cu[n] + j] for n in live], [slots[n] for n in live]))
-    return steps
 
 
 def _conv_rows(m: int, num_saves: int, start: int, offset: int, history_len: int) -> list[int]:

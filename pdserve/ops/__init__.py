@@ -113,6 +113,27 @@ def gdn_chunk_prefill(
     )
 
 
+def gdn_recurrent_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    recurrent_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`gdn_chunk_prefill`'s inputs and result, computed a token at a time (the recurrence itself,
+    one launch on CUDA): for short sequences, where the chunked scan's launches cost more host
+    time than its work (a chat prompt's tail, a follow-up turn's new tokens)."""
+    shapes = _check_gdn(
+        "gdn_recurrent_prefill", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="T", sequences="N"
+    )
+    shapes.fix("N+1", shapes.sizes["N"] + 1)
+    shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
+    return _implementation(q).gdn_recurrent_prefill(q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids)
+
+
 def gdn_recurrent_step(
     q: torch.Tensor,
     k: torch.Tensor,

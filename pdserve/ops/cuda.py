@@ -1,4 +1,4 @@
-"""The CUDA implementation of the ops: the same six functions as `pdserve.ops.reference`.
+"""The CUDA implementation of the ops: the same seven functions as `pdserve.ops.reference`.
 
 `pdserve.ops._implementation` returns this module for tensors on a CUDA device. It needs Triton
 (shipped with CUDA builds of torch) and, for the GDN prefill, flash-linear-attention (`fla-core`),
@@ -9,6 +9,7 @@ in a CUDA graph.
 |---|---|
 | `gdn_chunk_prefill` | fla `chunk_gated_delta_rule` (varlen, grouped value heads, l2norm in kernel) |
 | `gdn_recurrent_step` | Triton: the fp32 state updated in place in the pool |
+| `gdn_recurrent_prefill` | Triton: the same step looped over each sequence's tokens, one launch |
 | `causal_conv1d_prefill` | vectorised torch over the packed tokens |
 | `causal_conv1d_step` | Triton: history shifted in place |
 | `store_kv` | `index_copy_` into the flat page slots |
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 from pdserve.ops.cuda_attention import paged_attention, store_kv
 from pdserve.ops.cuda_conv import causal_conv1d_prefill, causal_conv1d_step
-from pdserve.ops.cuda_gdn import gdn_chunk_prefill, gdn_recurrent_step
+from pdserve.ops.cuda_gdn import gdn_chunk_prefill, gdn_recurrent_prefill, gdn_recurrent_step
 
 __all__ = [
     "causal_conv1d_prefill",
     "causal_conv1d_step",
     "gdn_chunk_prefill",
+    "gdn_recurrent_prefill",
     "gdn_recurrent_step",
     "paged_attention",
     "store_kv",

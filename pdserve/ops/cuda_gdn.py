@@ -213,3 +213,80 @@ def gdn_recurrent_step(
         num_warps=num_warps,
     )
     return out
+
+
+@triton.jit
+def _gdn_segments_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, cu_ptr, o_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_betat,
+    stride_ss, stride_sh, stride_ot, stride_oh, scale, eps,
+    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """One (sequence, value head, block of BV value columns): the [DK, BV] state tile is read
+    once, stepped through the sequence's tokens in registers (the step of `_gdn_step_kernel`,
+    each token's read-out stored as it goes) and written back once."""
+    pid_nh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    n = pid_nh // HV
+    hv = pid_nh % HV
+    hk = hv // GROUP
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    s_mask = mask_k[:, None] & mask_v[None, :]
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    start = tl.load(cu_ptr + n).to(tl.int64)
+    end = tl.load(cu_ptr + n + 1).to(tl.int64)
+    for t in range(start, end):
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        q, k = l2_normed_qk(q, k, scale, eps)
+        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        state = state * tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
+        beta = tl.load(beta_ptr + t * stride_betat + hv).to(tl.float32)
+        written = beta * (v - tl.sum(state * k[:, None], axis=0))
+        state = state + k[:, None] * written[None, :]
+        out = tl.sum(state * q[:, None], axis=0)
+        tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def gdn_recurrent_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    recurrent_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    block_v: int = 32,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """`gdn_chunk_prefill`'s shapes (q, k raw), a token at a time: one launch, no host read of
+    cu_seqlens, N x Hv x Dv/block_v programs each looping over its sequence's tokens. Its GPU time
+    grows with the longest sequence; fla's chunked scan costs ~1 ms of host time a call
+    (measured in the served conversations, session 16), so this is for short sequences."""
+    num_k_heads, head_k_dim = k.shape[1], k.shape[2]
+    num_v_heads, head_v_dim = v.shape[1], v.shape[2]
+    if recurrent_pool.stride(3) != 1 or recurrent_pool.stride(2) != head_v_dim:
+        raise ValueError("gdn_recurrent_prefill: each slot's [Hv, Dk, Dv] state must be contiguous")
+    q, k, v, g, beta = (_last_dim_contiguous(x) for x in (q, k, v, g, beta))
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if slot_ids.numel() == 0 or v.shape[0] == 0:
+        return out
+    block_v = min(block_v, triton.next_power_of_2(head_v_dim))
+    grid = (slot_ids.numel() * num_v_heads, triton.cdiv(head_v_dim, block_v))
+    _gdn_segments_kernel[grid](
+        q, k, v, g, beta, recurrent_pool, slot_ids, cu_seqlens, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), recurrent_pool.stride(0), recurrent_pool.stride(1),
+        out.stride(0), out.stride(1), head_k_dim**-0.5, _L2NORM_EPS,
+        HV=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
+        BK=triton.next_power_of_2(head_k_dim), BV=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    return out

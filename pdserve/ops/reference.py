@@ -134,6 +134,28 @@ def gdn_recurrent_step(
     return out.to(v.dtype)
 
 
+def gdn_recurrent_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    recurrent_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`gdn_chunk_prefill`'s result computed a token at a time: the sequences' n-th tokens as one
+    `gdn_recurrent_step` (n = 0, 1, ...)."""
+    bounds = _sequence_bounds(cu_seqlens, q.shape[0])
+    out = torch.empty_like(v)
+    for n in range(max((b - a for a, b in pairwise(bounds)), default=0)):
+        live = [i for i in range(len(bounds) - 1) if bounds[i] + n < bounds[i + 1]]
+        rows = torch.tensor([bounds[i] + n for i in live], device=q.device)
+        slots = slot_ids[torch.tensor(live, device=q.device)]
+        out[rows] = gdn_recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], recurrent_pool, slots)
+    return out
+
+
 # ---------------------------------------------------------------- depthwise causal conv1d (+ SiLU)
 def causal_conv1d_prefill(
     x: torch.Tensor,
