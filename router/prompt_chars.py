@@ -11,9 +11,9 @@ token that swallows a run of characters) has no such bound: `max_chars_per_token
 and every prompt is tokenized.
 
 The bound is a pass over the whole vocabulary (0.2-0.3 s for Qwen3.6's 248,077 entries on one
-core: a tenth of the router's start-up), so it is computed when it is first needed, for the first
-prompt long enough to be checked, on a worker thread (`max_chars_per_token_async`), then cached
-per tokenizer. Nothing at start-up asks for it.
+core: a tenth of the router's start-up), so it runs on a worker thread
+(`max_chars_per_token_async`), once per tokenizer: the router starts it as it starts serving,
+without waiting for it, and a prompt that needs it before it is done joins the pass under way.
 """
 
 from __future__ import annotations

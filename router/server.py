@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from pdserve.model_config import ModelConfig
 from pdserve.registry import InstanceRegistry
-from pdserve.tokenizer import load_tokenizer, read_chat_template
+from pdserve.tokenizer import Tokenizer, load_tokenizer, read_chat_template
 from router.admission import AdmissionConfig
 from router.api_flags import (
     ApiOptions,
@@ -33,6 +33,7 @@ from router.drain import Drain, DrainingServer
 from router.gate import ApiKey, read_api_key_file
 from router.instances import InstanceSet
 from router.metrics import RouterMetrics
+from router.prompt_chars import max_chars_per_token_async
 from router.scaling_metrics import RoleLoadCollector
 
 
@@ -116,6 +117,7 @@ class Router:
     instances: InstanceSet
     registry: InstanceRegistry
     drain: Drain
+    tokenizer: Tokenizer
 
 
 def build_router(config: RouterConfig) -> Router:
@@ -135,12 +137,16 @@ def build_router(config: RouterConfig) -> Router:
     drain = Drain()
     tokenizer = load_tokenizer(config.model, config.chat_template)
     app = create_app(backend, tokenizer, names, metrics, config.admission, drain, config.chat_parsing, api)
-    return Router(app, instances, registry, drain)
+    return Router(app, instances, registry, drain, tokenizer)
 
 
 async def serve(config: RouterConfig) -> None:
     router = build_router(config)
     await router.instances.start()
+    # the prompt-length bound's vocabulary pass (~0.3 s) on a worker thread while the server
+    # starts: the first long prompts need not wait for it (they had, ~70 ms on average over the
+    # first served cell on the H200, session 16); readiness does not wait for it either
+    vocabulary = asyncio.get_running_loop().create_task(max_chars_per_token_async(router.tokenizer))
     uvicorn_config = uvicorn.Config(
         router.app,
         host=config.host,
@@ -156,6 +162,7 @@ async def serve(config: RouterConfig) -> None:
     try:
         await server.serve()
     finally:
+        vocabulary.cancel()  # the pass itself goes on in its thread; nothing waits for it
         await router.instances.close()
         await router.registry.close()
 
