@@ -21,7 +21,8 @@ CELLS=${CELLS-"1024:4 1024:16 1024:32 8192:4 8192:16"}  # CELLS= (empty): none
 CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-}
 MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
 PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv): py-spy records the engine and the router
-# for 12 s from PROFILE_AFTER (34) s into it: AIPerf's start (~20 s) and warm-up phase are over by then
+# for PROFILE_SECONDS (12) from PROFILE_AFTER (2) s after the cell's first request reaches the
+# router (AIPerf takes 20-45 s to start: a fixed delay missed most of the conversations once)
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200-triton-cache.sh" && tcache_restore
 # Where the first tokens waited during a cell, from the router's /metrics before and after it:
@@ -51,10 +52,15 @@ print("  first token, means over the cell:", " | ".join(parts), f"| rest {rest:.
 EOF4
 }
 log() { echo "[bench $(date +%T)] $*" | tee -a "$OUT/bench.log"; }
-# py-spy on the engine and the router for 12 s from PROFILE_AFTER s on (in the background)
+# py-spy on the engine and the router once the cell has begun (in the background)
+requests_seen() {  # requests the router has taken so far (its preprocess histogram's count)
+    curl -s localhost:8000/metrics | awk '/^pdserve:request_preprocess_seconds_count/ {n += $2} END {print n + 0}'
+}
 profile_roles() {
     command -v py-spy >/dev/null || return 0
-    (sleep "${PROFILE_AFTER:-34}"
+    (first=$(requests_seen)
+     for _ in $(seq 600); do [ "$(requests_seen)" != "$first" ] && break; sleep 0.2; done
+     sleep "${PROFILE_AFTER:-2}"
      for role in engine router; do
          pid=$(pgrep -f "pdserve.cli $role" | head -1)
          [ -n "$pid" ] && py-spy record --nonblocking --idle -d "${PROFILE_SECONDS:-12}" -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
