@@ -215,6 +215,11 @@ def test_gqa_tiled_prefill_kernel(dtype: torch.dtype, heads: tuple[int, int, int
             q.cuda(), kv.cuda(), *(a.cuda() for a in args), head_dim**-0.5, block_m=block_m, block_n=block_n
         )
         assert got.dtype == dtype and rel_err(got, want) < TOL[dtype], (block_m, block_n)
+    # as 5 persistent programs (a long prompt's chunk beside decode steps): the same tiles, bit for bit
+    kept = cuda_prefill_attention.paged_prefill(
+        q.cuda(), kv.cuda(), *(a.cuda() for a in args), head_dim**-0.5, programs=5, block_m=128, block_n=32
+    )
+    assert torch.equal(kept, got)
 
 
 def moe_inputs(tokens: int, experts: int, hidden: int, inter: int, dtype: torch.dtype):

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
         "moe",
         "norms",
         "gdn_step",
+        "gdn_prefill",
         "gdn_decode",
         "attention",
     ],

@@ -152,6 +152,24 @@ def check_gdn_step(gen: torch.Generator) -> None:
     torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
 
 
+def check_gdn_prefill(gen: torch.Generator) -> None:
+    """Short sequences a token at a time in one launch (`gdn_recurrent_prefill`) = the chunked
+    reference: outputs, and each slot's final state (the others untouched)."""
+    lengths, k_heads, v_heads, dk, dv, slots = [1, 4, 9], 2, 4, 16, 32, 5
+    tokens = sum(lengths)
+    q, k = (torch.randn(tokens, k_heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(tokens, v_heads, dv, generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(tokens, v_heads, generator=gen))
+    beta = torch.rand(tokens, v_heads, generator=gen)
+    cu = torch.tensor([0, 1, 5, 14], dtype=torch.int32)
+    pool, ids = torch.randn(slots, v_heads, dk, dv, generator=gen) * 0.3, torch.tensor([3, 0, 4])
+    got_pool, want_pool = pool.clone(), pool.clone()
+    got = cuda_gdn.gdn_recurrent_prefill(q, k, v, g, beta, cu, got_pool, ids, block_v=16)
+    want = reference.gdn_chunk_prefill(q, k, v, g, beta, cu, want_pool, ids, 4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-4)
+
+
 def check_attention(gen: torch.Generator) -> None:
     """q/k RMSNorm + partial rotary + KV store (no other slot written) and the output gate; paged
     decode attention (split over each sequence's own length) and the GQA-tiled prefill continuing
@@ -192,6 +210,11 @@ def check_attention(gen: torch.Generator) -> None:
         q, kv, cu, seq_lens, tables, dim**-0.5, max(q_lens), block_m=16, block_n=16
     )
     close(got, want)
+    # as 3 persistent programs looping over the 3 x 9 tiles (tiles past a sequence's end skipped)
+    kept = cuda_prefill_attention.paged_prefill(
+        q, kv, cu, seq_lens, tables, dim**-0.5, max(q_lens), programs=3, block_m=16, block_n=16
+    )
+    torch.testing.assert_close(kept, got, rtol=0, atol=0)
 
 
 DECODE_CHECKS = {"route_align": check_route_align, "skinny": check_skinny, "gdn_decode": check_gdn_decode}
@@ -203,6 +226,7 @@ CHECKS = {
     "moe": check_moe,
     "norms": check_norms,
     "gdn_step": check_gdn_step,
+    "gdn_prefill": check_gdn_prefill,
     "attention": check_attention,
 }
 

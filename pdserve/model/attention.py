@@ -57,5 +57,6 @@ class GatedAttention(nn.Module):
             batch.block_tables,
             self.scale,
             max_q_len=batch.max_query_len,
+            programs=batch.attention_programs,
         )
         return linear_to_norm(ops.output_gate(o, gate), self.o_proj)

@@ -28,6 +28,8 @@ class ForwardBatch:
     is_decode: bool  # every sequence has exactly one new token: the single-step ops apply
     max_query_len: int = 1  # the most new tokens of one sequence (a host int: no device read)
     saves: MidPassSaves | None = None  # prefix checkpoints this pass takes on its way through
+    # a background pass beside decode steps: its prefill attention holds at most this many SMs
+    attention_programs: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -230,6 +230,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention of packed queries over paged K/V, with grouped KV heads.
 
@@ -241,7 +242,9 @@ def paged_attention(
     Query i of sequence n (q_len tokens) sits at position seq_lens[n] - q_len + i and attends to
     key positions 0..that position. T == N means decode (one query each) and takes a batched path.
     `max_q_len`: the most queries of one sequence, when the caller knows it (the GPU kernel sizes
-    its grid by it; without it, it reads cu_seqlens_q on the host).
+    its grid by it; without it, it reads cu_seqlens_q on the host). `programs`: the prefill kernel
+    runs as at most this many persistent programs on the GPU, leaving the other SMs free (a long
+    prompt's chunk prefilled beside decode steps); the result is the same.
     Returns o: [T, H, D] in q's dtype (softmax in fp32).
     """
     shapes = _Shapes("paged_attention")
@@ -253,4 +256,4 @@ def paged_attention(
     shapes("cu_seqlens_q", cu_seqlens_q, "N+1", torch.int32)
     shapes("block_tables", block_tables, "N max_pages", torch.int32)
     impl = _implementation(q)
-    return impl.paged_attention(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len)
+    return impl.paged_attention(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len, programs)

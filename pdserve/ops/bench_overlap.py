@@ -1,6 +1,6 @@
 """Can decode steps keep their ITL while a long prompt prefills beside them? (issue 12, point 2):
 `python -m pdserve.ops.bench_overlap [--context 131072] [--chunk 8192] [--decode 4]
-[--layers-per-step 1 2 4 8] [--steps 200]`.
+[--layers-per-step 1 2 4 8] [--steps 200] [--attention-programs 0 100]`.
 
 At the full Qwen3.6-35B-A3B shape (random bf16 weights): `--decode` sequences of 1,100 tokens decode
 by CUDA-graph replay while one long prompt's chunk of `--chunk` tokens after `--context` tokens
@@ -12,7 +12,10 @@ steps (a step = a replay and the wait for its tokens on the host, as a served st
                 high-priority stream, and between two steps the chunk's next `k` layers are
                 launched on a low-priority stream (one thread, no sync between the streams).
 Prints each way's ITL p50 / p99 (and p99 over the baseline's p50: issue 12 asks <= 3x) and the
-chunk's tokens/s beside the decode steps (the long prompt's TTFT scales with its inverse).
+chunk's tokens/s beside the decode steps (the long prompt's TTFT scales with its inverse), for
+each of `--attention-programs` P: the chunk's prefill attention as P persistent programs, the
+other SMs left to the decode stream (0: its usual grid, one program a query tile; session 16
+measured a decode step beside that grid at 131K waiting out the whole layer, ~44 ms).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class Overlap:
         self.long_slot = runner.state_pool.allocate()
         ids = torch.randint(0, 200_000, (args.chunk,), generator=torch.Generator().manual_seed(4)).tolist()
         self.chunk_inputs = ([ids], [args.context], [self.long_table], [self.long_slot], page)
+        self.programs: int | None = None  # the chunk's attention programs (None: the usual grid)
         self.high = torch.cuda.Stream(priority=-100)  # mapped to the device's highest priority
         self.low = torch.cuda.Stream(priority=0)
 
@@ -83,6 +87,7 @@ class Overlap:
         """The chunk's pass, a layer a `next()`; the caller makes the low stream current around
         each (a stream context inside a generator would stay entered across its yields)."""
         batch = ForwardBatch.build(*self.chunk_inputs, self.runner.device)
+        batch.attention_programs = self.programs
         yield from layer_by_layer(self.runner, batch)
 
     def alone(self) -> list[float]:
@@ -129,6 +134,10 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=4)
     parser.add_argument("--layers-per-step", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--attention-programs", type=int, nargs="+", default=[0],
+        help="the chunk's attention as this many persistent programs (0: one a tile)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="the results as one JSON line here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
@@ -137,18 +146,23 @@ def main() -> None:
         bench.chunk_alone(passes=1)  # compiles and autotunes the chunk's shapes
         bench.alone()
         base = percentiles(bench.alone())
-        chunk_s = bench.chunk_alone()
-        rows = {"alone": {"itl_ms": base}, "chunk alone": {"tok_s": args.chunk / chunk_s}}
+        rows: dict[str, dict] = {"alone": {"itl_ms": base}}
         print(f"decode x{args.decode} alone: ITL p50 {base[0]:.2f} ms, p99 {base[1]:.2f} ms")
-        print(f"chunk of {args.chunk} after {args.context}: {chunk_s * 1e3:.0f} ms alone, "
-              f"{args.chunk / chunk_s:,.0f} tok/s")  # fmt: skip
-        for k in args.layers_per_step:
-            times, rate = bench.beside(k)
-            p50, p99 = percentiles(times)
-            rows[f"{k} layers"] = {"itl_ms": (p50, p99), "tok_s": rate}
-            share = rate * chunk_s / args.chunk
-            print(f"{k} layers a step: ITL p50 {p50:.2f} ms, p99 {p99:.2f} ms ({p99 / base[0]:.1f}x the "
-                  f"baseline p50), chunk {rate:,.0f} tok/s ({share:.0%} of alone)")  # fmt: skip
+        for programs in args.attention_programs:
+            bench.programs = programs or None
+            bench.chunk_alone(passes=1)  # the persistent kernel's build
+            chunk_s = bench.chunk_alone()
+            label = f"{programs} attention programs" if programs else "attention one program a tile"
+            rows[f"{label}: chunk alone"] = {"tok_s": args.chunk / chunk_s}
+            print(f"{label}: chunk of {args.chunk} after {args.context}: {chunk_s * 1e3:.0f} ms alone, "
+                  f"{args.chunk / chunk_s:,.0f} tok/s")  # fmt: skip
+            for k in args.layers_per_step:
+                times, rate = bench.beside(k)
+                p50, p99 = percentiles(times)
+                rows[f"{label}: {k} layers"] = {"itl_ms": (p50, p99), "tok_s": rate}
+                share = rate * chunk_s / args.chunk
+                print(f"  {k} layers a step: ITL p50 {p50:.2f} ms, p99 {p99:.2f} ms ({p99 / base[0]:.1f}x "
+                      f"the baseline p50), chunk {rate:,.0f} tok/s ({share:.0%} of alone)")  # fmt: skip
     if args.out is not None:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": None}, "rows": rows}) + "\n")
 

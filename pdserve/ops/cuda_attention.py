@@ -147,10 +147,11 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (D a power of two >= 16); kv_layer [2, P, page_size, Hkv, D] -> o [T, H, D]."""
     if q.stride(2) != 1:
         q = q.contiguous()
     if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, sync-free
         return _paged_decode(q, kv_layer, seq_lens, block_tables, scale)
-    return paged_prefill(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len)
+    return paged_prefill(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len, programs)

@@ -64,51 +64,82 @@ def _fold_keys(
 
 
 @triton.jit
-def _prefill_gqa_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
+def _attend_tile(
+    tile, n, kv_head, q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    n = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    """Query tile `tile` of sequence n with kv head `kv_head`'s group of heads (nothing when the
+    tile starts past the sequence's queries)."""
     q_start = tl.load(cu_q_ptr + n)
     q_len = tl.load(cu_q_ptr + n + 1) - q_start
     first = tile * TOKENS  # the tile's first query token within the sequence
-    if first >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + n)
-    r = tl.arange(0, BLOCK_M)
-    token = first + r // GROUP
-    head = kv_head * GROUP + r % GROUP
-    valid = (r < TOKENS * GROUP) & (token < q_len)
-    token = tl.where(valid, token, first)  # padding rows repeat the first query (never stored)
-    positions = seq_len - q_len + token
-    offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :])
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    first_pos = seq_len - q_len + first
-    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row sees keys 0..first_pos
-    end = tl.minimum(first_pos + TOKENS, seq_len)  # past the tile's last query position
-    for block in range(0, unmasked_end, BLOCK_N):
-        m, l, acc = _fold_keys(
-            q, m, l, acc, block, end, positions, n, kv_head,
-            k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, qk_scale,
-            MASKED=False, D=D, PAGE=PAGE, BLOCK_N=BLOCK_N, IEEE=IEEE,
+    if first < q_len:
+        seq_len = tl.load(seq_lens_ptr + n)
+        r = tl.arange(0, BLOCK_M)
+        token = first + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        valid = (r < TOKENS * GROUP) & (token < q_len)
+        token = tl.where(valid, token, first)  # padding rows repeat the first query (never stored)
+        positions = seq_len - q_len + token
+        offs_d = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        )
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        first_pos = seq_len - q_len + first
+        unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row sees keys 0..first_pos
+        end = tl.minimum(first_pos + TOKENS, seq_len)  # past the tile's last query position
+        for block in range(0, unmasked_end, BLOCK_N):
+            m, l, acc = _fold_keys(
+                q, m, l, acc, block, end, positions, n, kv_head,
+                k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, qk_scale,
+                MASKED=False, D=D, PAGE=PAGE, BLOCK_N=BLOCK_N, IEEE=IEEE,
+            )  # fmt: skip
+        for block in range(unmasked_end, end, BLOCK_N):  # reaches the diagonal: keys past it masked
+            m, l, acc = _fold_keys(
+                q, m, l, acc, block, end, positions, n, kv_head,
+                k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, qk_scale,
+                MASKED=True, D=D, PAGE=PAGE, BLOCK_N=BLOCK_N, IEEE=IEEE,
+            )  # fmt: skip
+        out = acc / l[:, None]
+        tl.store(o_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=valid[:, None])  # fmt: skip
+
+
+@triton.jit
+def _prefill_gqa_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
+    qk_scale, num_tiles, tiles_per_seq, num_seqs,
+    PERSISTENT: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """A grid of (query tiles, sequences, kv heads), one tile a program; or PERSISTENT: fewer
+    programs than tiles, each taking every num_programs-th tile (tile-major, then sequence, then
+    kv head), so the kernel holds only as many SMs as it has programs."""
+    if PERSISTENT:
+        for t in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            rest = t // tiles_per_seq
+            _attend_tile(
+                t % tiles_per_seq, rest % num_seqs, rest // num_seqs,
+                q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
+                stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
+                qk_scale, GROUP=GROUP, TOKENS=TOKENS, D=D, PAGE=PAGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                IEEE=IEEE,
+            )  # fmt: skip
+    else:
+        _attend_tile(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2),
+            q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
+            stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
+            qk_scale, GROUP=GROUP, TOKENS=TOKENS, D=D, PAGE=PAGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            IEEE=IEEE,
         )  # fmt: skip
-    for block in range(unmasked_end, end, BLOCK_N):  # reaches the diagonal: keys past it masked
-        m, l, acc = _fold_keys(
-            q, m, l, acc, block, end, positions, n, kv_head,
-            k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, qk_scale,
-            MASKED=True, D=D, PAGE=PAGE, BLOCK_N=BLOCK_N, IEEE=IEEE,
-        )  # fmt: skip
-    out = acc / l[:, None]
-    tl.store(o_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=valid[:, None])  # fmt: skip
 
 
 def paged_prefill(
@@ -119,6 +150,7 @@ def paged_prefill(
     block_tables: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    programs: int | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -126,7 +158,10 @@ def paged_prefill(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """q [T, H, D] packed -> [T, H, D]; kv_layer [2, P, page_size, Hkv, D]. The longest query run
-    sizes the grid (read on the host when the caller does not give it). block_m (rows: tokens x
+    sizes the grid (read on the host when the caller does not give it). `programs`: run as at most
+    this many persistent programs, leaving the other SMs to work on other streams (a long
+    prompt's chunk beside decode steps: a program of the usual grid holds its SM for milliseconds
+    at long contexts, and takes back each SM a decode kernel frees). block_m (rows: tokens x
     the group's heads), block_n, num_warps and num_stages pick the tile (defaults: measured on
     the H200, docs/benchmarks.md)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -142,10 +177,12 @@ def paged_prefill(
     out = torch.empty_like(q)
     keys, values = kv_layer[0], kv_layer[1]
     grid = (triton.cdiv(max_q_len, tokens), seq_lens.shape[0], num_kv_heads)
-    _prefill_gqa_kernel[grid](
+    num_tiles = grid[0] * grid[1] * grid[2]
+    persistent = programs is not None and programs < num_tiles
+    _prefill_gqa_kernel[(programs,) if persistent else grid](
         q, keys, values, out, block_tables, seq_lens, cu_seqlens_q,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale * LOG2E,
+        out.stride(0), out.stride(1), scale * LOG2E, num_tiles, grid[0], grid[1], PERSISTENT=persistent,
         GROUP=group, TOKENS=tokens, D=head_dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=fp32, num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages,
     )  # fmt: skip

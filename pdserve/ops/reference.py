@@ -264,6 +264,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,  # the GPU kernel's grid size; the reference needs none
+    programs: int | None = None,  # the GPU kernel's SM footprint; likewise
 ) -> torch.Tensor:
     if q.shape[0] == seq_lens.shape[0]:  # one query token per sequence: decode, no host sync
         return _paged_decode(q, kv_layer, seq_lens, block_tables, scale)
