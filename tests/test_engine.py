@@ -106,6 +106,8 @@ def test_stop_string_is_not_emitted(llm: LLM) -> None:
         ([1] * 300, {}, "max_model_len"),
         ([5, 300_000], {}, "vocabulary"),
         ([-1], {}, "vocabulary"),
+        ([3, True], {}, "vocabulary"),
+        ([3, 4.0], {}, "vocabulary"),
         ("hi", {"max_tokens": 1.5}, "max_tokens"),  # 0 is valid: the prompt scored only
         ("hi", {"max_tokens": -3}, "max_tokens"),
         ("hi", {"temperature": -0.5}, "temperature"),

@@ -77,8 +77,9 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
+        # `type(t) is int` leaves out bool; min and max run in C (a prompt has thousands of ids)
+        if not all(type(t) is int for t in prompt_ids) or not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
+            bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab]
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         limit = self.config.max_model_len
         if len(prompt_ids) >= limit + (params.max_tokens == 0):  # max_tokens 0: no output token
