@@ -55,3 +55,28 @@ def test_an_end_next_to_a_resume_point_takes_no_checkpoint(cached_llm: LLM) -> N
             cached_llm.engine.step()
         cache.resume_suffixes = []
         cache.clear()
+
+
+def test_a_link_a_conversation_moved_past_is_dropped_not_moved_to_the_host(tiny_model_dir) -> None:
+    """Turn 2 restores turn 1's entry and makes its own: turn 1's is superseded, and under memory
+    pressure it leaves the device without a copy to the host tier (which keeps its room, and the
+    engine's stream its time, for entries that may come back), while turn 2's is moved there."""
+    llm: LLM = tiny_llm(tiny_model_dir, num_prefix_checkpoints=4)
+    cache = llm.engine.prefix_cache
+    cache.configure_host_tier(8 << 20)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    turn1, more = random_prompts([80, 20], seed=64)
+    llm.generate(turn1, one)
+    (first,) = [e for e in cache.entries.values() if e.num_tokens == len(turn1)]
+    llm.generate(turn1 + more, one)
+    (second,) = [e for e in cache.entries.values() if e.num_tokens == len(turn1 + more)]
+    assert first.superseded and first.hits == 0 and not second.superseded
+    demoted = []
+    demote = cache._demote
+    cache._demote = lambda entry, keep: demoted.append(entry) or demote(entry, keep)
+    while first.key in cache.entries or second.tier == "gpu":
+        assert cache.evict_one(to_host=True)
+    del cache._demote
+    assert first not in demoted and second in demoted and cache.entries[second.key].tier == "host"
+    cache.clear()
+    assert_no_leaks(llm.engine)

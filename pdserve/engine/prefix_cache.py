@@ -167,6 +167,7 @@ class PrefixCache(PrefixEntryStore):
         seq.num_cached_tokens = entry.num_tokens
         seq.restored_from = entry
         entry.hits += 1
+        entry.superseded = False
         self.stats.hit(entry.next_source, entry.num_tokens)
         entry.next_source = "gpu"
 
@@ -176,6 +177,7 @@ class PrefixCache(PrefixEntryStore):
         seq.num_computed_tokens = seq.num_cached_tokens = entry.num_tokens
         seq.restored_from = entry
         entry.hits += 1
+        entry.superseded = False
         self.stats.hit("host", entry.num_tokens)
 
     # ---- new entries
@@ -235,12 +237,14 @@ class PrefixCache(PrefixEntryStore):
     def supersede(self, seq: Sequence, num_tokens: int) -> None:
         """`seq` made an entry of `num_tokens` tokens. The entry it started from, if only it ever
         reused that one (a conversation's previous turn), is now a link its conversation has moved
-        past: it goes back to never-reused and least recent, the first to make room (entries
-        reused by several sequences are branch points and keep their count)."""
+        past: it goes back to never-reused and least recent, the first to make room, and is
+        dropped rather than moved to the host tier when it goes (a conversation of 32 on the
+        H200 demoted ~97 such entries a turn, ~11 GB of copies in the engine's stream); entries
+        reused by several sequences are branch points and keep their count."""
         seq.last_checkpoint = num_tokens
         old, seq.restored_from = seq.restored_from, None
         if old is not None and old.hits == 1 and self.entries.get(old.key) is old:
-            old.hits = 0
+            old.hits, old.superseded = 0, True
             self.entries.move_to_end(old.key, last=False)
 
     def wants_end_checkpoint(self, seq: Sequence) -> bool:

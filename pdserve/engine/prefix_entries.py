@@ -106,11 +106,12 @@ class PrefixEntryStore:
     ) -> bool:
         """Take one entry other than `keep` (the one a request is about to restore) and pinned
         ones (`EntryIndex.victim`) off the device: dropped, or (`to_host`: memory pressure) moved
-        to the host tier when it has room; False when none can go."""
+        to the host tier when it has room, unless its conversation moved past it; False when none
+        can go."""
         victim = self.index.victim(keep, only_unused)
         if victim is None:
             return False
-        if not (to_host and self._demote(victim, keep)):
+        if not (to_host and not victim.superseded and self._demote(victim, keep)):
             self._drop(victim)
         self.stats.evicted += 1
         return True

@@ -34,6 +34,9 @@ class CacheEntry:
     pins: int = 0  # peers reading it right now: not evictable
     next_source: str = "gpu"  # what its next hit counts as ("peer" right after a pull)
     tier: str = "gpu"  # "host": evicted to the host tier (`pages`, `checkpoint` are host ids)
+    # its one user's conversation has moved past it (`PrefixCache.supersede`): when evicted, it
+    # is dropped, not copied to the host tier (~140 MiB of copies for a 4K-token entry)
+    superseded: bool = False
 
 
 class EntryIndex:
