@@ -172,6 +172,9 @@ class PrefixCache(PrefixEntryStore):
         entry.next_source = "gpu"
 
     def _restore_from_host(self, entry: CacheEntry, seq: Sequence) -> None:
+        if not entry.host_restored:  # moving it there paid off
+            entry.host_restored = True
+            self.admission.left(entry.kind, restored=True)
         seq.block_table = self.kv_pool.allocate(len(entry.pages))
         self.host.load(entry.pages, entry.checkpoint, seq.block_table, seq.state_slot)
         seq.num_computed_tokens = seq.num_cached_tokens = entry.num_tokens

@@ -9,11 +9,13 @@ Admission and eviction know what a checkpoint costs (a state slot, ~61 MiB at th
 a chunk-end checkpoint is admitted only over entries nobody reused (`LOW_VALUE_KINDS`); eviction
 is LRU with a reuse count (`EntryIndex.victim`); pages and checkpoint always go together; an
 entry evicted for memory moves to the host tier when it fits there (least valuable host entries
-dropped first), else it is dropped; entries a peer is reading are pinned.
+dropped first) and its kind's recent entries there were restored (`HostAdmission`), else it is
+dropped; entries a peer is reading are pinned.
 """
 
 from __future__ import annotations
 
+from pdserve.engine.host_admission import HostAdmission
 from pdserve.engine.prefix_index import CacheEntry, EntryIndex
 from pdserve.memory import GdnCheckpointPool, HostTier, KvPagePool
 from pdserve.prefix_stats import PrefixStats
@@ -34,6 +36,7 @@ class PrefixEntryStore:
         # where evicted entries go (`configure_host_tier`); None until configured: the first
         # eviction makes the default for the device (EngineConfig.snapshot_pool_mb's)
         self.host: HostTier | None = None
+        self.admission = HostAdmission()
         self._host_bytes = host_tier_bytes
         if host_tier_bytes is not None:
             self.configure_host_tier(host_tier_bytes)
@@ -45,6 +48,7 @@ class PrefixEntryStore:
             return
         for entry in [e for e in self.entries.values() if e.tier == "host"]:
             self._drop(entry)
+        self.admission = HostAdmission()
         self._host_bytes = budget_bytes
         self.host = HostTier(self.kv_pool, self.checkpoints.states, budget_bytes) if budget_bytes else None
 
@@ -119,7 +123,7 @@ class PrefixEntryStore:
     def _demote(self, entry: CacheEntry, keep: CacheEntry | None) -> bool:
         """Move a device entry to the host tier (making room there, least valuable first)."""
         host = self._host_tier()
-        if host is None or len(entry.pages) > host.num_pages:
+        if host is None or len(entry.pages) > host.num_pages or not self.admission.admits(entry.kind):
             return False
         while not host.fits(len(entry.pages)):
             victim = self.index.victim(keep, only_unused=False, tier="host")
@@ -130,6 +134,7 @@ class PrefixEntryStore:
         self.kv_pool.free(entry.pages)
         self.checkpoints.free(entry.checkpoint)
         entry.pages, entry.checkpoint, entry.tier = host_pages, host_ck, "host"
+        entry.host_restored = False
         return True
 
     def _drop(self, entry: CacheEntry) -> None:
@@ -137,6 +142,8 @@ class PrefixEntryStore:
         self.version += 1
         if entry.tier == "host":
             self.host.free(entry.pages, entry.checkpoint)
+            if not entry.host_restored:
+                self.admission.left(entry.kind, restored=False)
             return
         self.kv_pool.free(entry.pages)
         self.checkpoints.free(entry.checkpoint)
@@ -145,3 +152,4 @@ class PrefixEntryStore:
         """Drop every entry not pinned by a peer (the host tier's too)."""
         for entry in [e for e in self.entries.values() if e.pins == 0]:
             self._drop(entry)
+        self.admission = HostAdmission()  # what was dropped here says nothing of reuse

@@ -37,6 +37,7 @@ class CacheEntry:
     # its one user's conversation has moved past it (`PrefixCache.supersede`): when evicted, it
     # is dropped, not copied to the host tier (~140 MiB of copies for a 4K-token entry)
     superseded: bool = False
+    host_restored: bool = False  # on the host tier: restored from there since it was moved there
 
 
 class EntryIndex:
