@@ -7,6 +7,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.check import checkpoint_differences, checkpoint_states
+from pdserve.model import mid_pass_saves
 from tests.helpers import assert_no_leaks, random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -103,9 +104,15 @@ def test_cuda_prefix_cache_matches_uncached(tiny_model_dir) -> None:
     assert_no_leaks(cached.engine)
 
 
-def test_cuda_checkpoints_packed_equal_alone(tiny_model_dir) -> None:
-    """Issue 9's pack check on the GPU: packed and one at a time (fla's varlen chunked scan,
-    the checkpoint copies on the engine's stream), every checkpoint holds the same GDN state."""
+@pytest.mark.parametrize("scan", ["recurrent", "chunked"])
+def test_cuda_checkpoints_packed_equal_alone(
+    tiny_model_dir, scan: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 9's pack check on the GPU: packed and one at a time (short pieces a token at a time,
+    or with the limits lowered fla's varlen chunked scan; the checkpoint copies on the engine's
+    stream), every checkpoint holds the same GDN state."""
+    if scan == "chunked":
+        monkeypatch.setattr(mid_pass_saves, "RECURRENT_MAX_CUDA", mid_pass_saves.RECURRENT_MAX)
     suffix = tuple(random_prompts((8,), seed=40)[0])
     prompts = [p + list(suffix) for p in random_prompts((70, 129, 200, 333), seed=42)]
     kw = {**CUDA_FP32, "max_num_seqs": 4, "num_prefix_checkpoints": 16}  # 12 checkpoints: all on the device
