@@ -13,58 +13,10 @@ the engine. Nothing here imports torch or the engine: the router uses it too.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
-MAX_INT64 = 2**63 - 1
-
-
-def _check(name: str, value: Any, kind: type | tuple[type, ...], optional: bool = False) -> Any:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) and kind in (int, float):  # bool is an int subclass
-        raise ValueError(f"{name} must be {kind.__name__}, got bool")
-    if not isinstance(value, kind):
-        want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ValueError(f"{name} must be {want}, got {type(value).__name__}")
-    if isinstance(value, int) and not -MAX_INT64 - 1 <= value <= MAX_INT64:
-        raise ValueError(f"{name} is outside int64")
-    return value
-
-
-def _ints(name: str, value: Any, minimum: int = 0) -> list[int]:
-    _check(name, value, list)
-    # `type(v) is int` leaves out bool; min and max run in C (a prompt has thousands of ids)
-    if not all(type(v) is int for v in value) or (
-        value and not minimum <= min(value) <= max(value) <= MAX_INT64
-    ):
-        raise ValueError(f"{name} must be a list of integers >= {minimum}")
-    return value
-
-
-@functools.cache
-def _names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
-def _wire(message: Any) -> dict:
-    """A message's fields as a dict, the values shared: `dataclasses.asdict` copies lists item by
-    item, and a 4K-token prompt's copies (three a request) took ~3 ms of the router's event loop
-    each, which a burst of 32 conversations waited for in turn (issue 9, session 16)."""
-    return {name: getattr(message, name) for name in _names(type(message))}
-
-
-def _fields(cls: type[T], msg: Any) -> dict:
-    if not isinstance(msg, dict):
-        raise ValueError(f"{cls.__name__} must be a map, got {type(msg).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(str(k) for k in msg if k not in names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown fields {unknown}")
-    return msg
+from pdserve.wire_fields import check, fields_of, ints, wire_dict
 
 
 @dataclass(slots=True)
@@ -87,18 +39,18 @@ class Lease:
     num_tokens: int
 
     def to_wire(self) -> dict:
-        return _wire(self)
+        return wire_dict(self)
 
     @classmethod
     def from_wire(cls, msg: Any) -> Lease:
-        m = _fields(cls, msg)
+        m = fields_of(cls, msg)
         lease = cls(
-            request_id=_check("lease.request_id", m.get("request_id"), str),
-            lease_id=_check("lease.lease_id", m.get("lease_id"), str),
-            agent=_check("lease.agent", m.get("agent"), str),
-            kv_pages=_ints("lease.kv_pages", m.get("kv_pages")),
-            state_slot=_check("lease.state_slot", m.get("state_slot"), int),
-            num_tokens=_check("lease.num_tokens", m.get("num_tokens"), int),
+            request_id=check("lease.request_id", m.get("request_id"), str),
+            lease_id=check("lease.lease_id", m.get("lease_id"), str),
+            agent=check("lease.agent", m.get("agent"), str),
+            kv_pages=ints("lease.kv_pages", m.get("kv_pages")),
+            state_slot=check("lease.state_slot", m.get("state_slot"), int),
+            num_tokens=check("lease.num_tokens", m.get("num_tokens"), int),
         )
         if lease.num_tokens <= 0 or lease.state_slot < 0:
             raise ValueError("lease: num_tokens must be positive and state_slot non-negative")
@@ -127,33 +79,33 @@ class GenerateItem:
 
     @classmethod
     def from_wire(cls, msg: Any) -> GenerateItem:
-        m = _fields(cls, msg)
-        rid = _check("request_id", m.get("request_id"), str)
+        m = fields_of(cls, msg)
+        rid = check("request_id", m.get("request_id"), str)
         if not rid:
             raise ValueError("request_id must not be empty")
         return cls(
             rid,
-            _ints("prompt_token_ids", m.get("prompt_token_ids")),
-            _check("params", m.get("params"), dict),
+            ints("prompt_token_ids", m.get("prompt_token_ids")),
+            check("params", m.get("params"), dict),
             _prefix_source(m.get("prefix_source")),
         )
 
     def to_wire(self) -> dict:
-        return _wire(self)
+        return wire_dict(self)
 
 
 def _prefix_source(value: Any) -> dict | None:
     if value is None:
         return None
-    _check("prefix_source", value, dict)
+    check("prefix_source", value, dict)
     unknown = sorted(str(k) for k in value if k not in ("agent", "key", "num_tokens"))
     if unknown:
         raise ValueError(f"prefix_source: unknown fields {unknown}")
-    _check("prefix_source.agent", value.get("agent"), str)
-    key = _check("prefix_source.key", value.get("key"), str)
+    check("prefix_source.agent", value.get("agent"), str)
+    key = check("prefix_source.key", value.get("key"), str)
     if not 0 < len(key) <= 128 or key.strip("0123456789abcdef"):
         raise ValueError("prefix_source.key must be a hex digest")
-    if _check("prefix_source.num_tokens", value.get("num_tokens"), int) <= 0:
+    if check("prefix_source.num_tokens", value.get("num_tokens"), int) <= 0:
         raise ValueError("prefix_source.num_tokens must be positive")
     return value
 
@@ -164,8 +116,8 @@ class PrefillBurst:
 
     @classmethod
     def from_wire(cls, msg: Any) -> PrefillBurst:
-        m = _fields(cls, msg)
-        items = _check("requests", m.get("requests"), list)
+        m = fields_of(cls, msg)
+        items = check("requests", m.get("requests"), list)
         if not items:
             raise ValueError("a burst needs at least one request")
         requests = [GenerateItem.from_wire(r) for r in items]
@@ -205,19 +157,19 @@ class PrefillResult:
     prefill_s: float = 0.0
 
     def to_wire(self) -> dict:
-        wire = _wire(self)
+        wire = wire_dict(self)
         wire["lease"] = None if self.lease is None else self.lease.to_wire()
         return wire
 
     @classmethod
     def from_wire(cls, msg: Any) -> PrefillResult:
-        m = dict(_fields(cls, msg))
+        m = dict(fields_of(cls, msg))
         m["lease"] = None if m.get("lease") is None else Lease.from_wire(m["lease"])
-        _check("request_id", m.get("request_id"), str)
-        _check("token_id", m.get("token_id", 0), int, optional=True)
-        _check("prompt_logprobs", m.get("prompt_logprobs"), list, optional=True)
+        check("request_id", m.get("request_id"), str)
+        check("token_id", m.get("token_id", 0), int, optional=True)
+        check("prompt_logprobs", m.get("prompt_logprobs"), list, optional=True)
         for name in ("queue_s", "prefill_s"):
-            _check(name, m.get(name, 0.0), float)
+            check(name, m.get(name, 0.0), float)
         return cls(**m)
 
 
@@ -233,13 +185,13 @@ class DecodeStart:
     first_logprobs: list | None = None
 
     def to_wire(self) -> dict:
-        wire = _wire(self)
+        wire = wire_dict(self)
         wire["lease"] = self.lease.to_wire()
         return wire
 
     @classmethod
     def from_wire(cls, msg: Any) -> DecodeStart:
-        m = _fields(cls, msg)
+        m = fields_of(cls, msg)
         item = GenerateItem.from_wire({k: m.get(k) for k in ("request_id", "prompt_token_ids", "params")})
         lease = Lease.from_wire(m.get("lease"))
         if lease.request_id != item.request_id:
@@ -248,9 +200,9 @@ class DecodeStart:
             item.request_id,
             item.prompt_token_ids,
             item.params,
-            _check("first_token", m.get("first_token"), int),
+            check("first_token", m.get("first_token"), int),
             lease,
-            _check("first_logprobs", m.get("first_logprobs"), list, optional=True),
+            check("first_logprobs", m.get("first_logprobs"), list, optional=True),
         )
 
 
@@ -267,11 +219,11 @@ class DecodeEvent:
     transfer: dict | None = None  # {"bytes": n, "seconds": s}
 
     def to_wire(self) -> dict:
-        return _wire(self)
+        return wire_dict(self)
 
     @classmethod
     def from_wire(cls, msg: Any) -> DecodeEvent:
-        return cls(**_fields(cls, msg))
+        return cls(**fields_of(cls, msg))
 
 
 @dataclass(slots=True)
@@ -283,15 +235,15 @@ class LeaseRelease:
     pulled: bool = False
 
     def to_wire(self) -> dict:
-        return _wire(self)
+        return wire_dict(self)
 
     @classmethod
     def from_wire(cls, msg: Any) -> LeaseRelease:
-        m = _fields(cls, msg)
+        m = fields_of(cls, msg)
         return cls(
-            _check("request_id", m.get("request_id"), str),
-            _check("lease_id", m.get("lease_id"), str),
-            _check("pulled", m.get("pulled", False), bool),
+            check("request_id", m.get("request_id"), str),
+            check("lease_id", m.get("lease_id"), str),
+            check("pulled", m.get("pulled", False), bool),
         )
 
 
@@ -302,11 +254,11 @@ class Abort:
     request_ids: list[str]
 
     def to_wire(self) -> dict:
-        return _wire(self)
+        return wire_dict(self)
 
     @classmethod
     def from_wire(cls, msg: Any) -> Abort:
-        ids = _check("request_ids", _fields(cls, msg).get("request_ids"), list)
+        ids = check("request_ids", fields_of(cls, msg).get("request_ids"), list)
         if not all(isinstance(i, str) for i in ids):
             raise ValueError("request_ids must be strings")
         return cls(ids)
