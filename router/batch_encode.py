@@ -6,7 +6,9 @@ last of them waited for all the others (~10 ms each: the largest part of the rou
 TTFT there). `EncodeBatcher.encode` queues the text; while no batch is being encoded the queue is
 handed at once to the tokenizer's `encode_batch` on a worker thread, which releases the GIL and
 encodes the texts in parallel on the machine's cores; texts that arrive meanwhile form the next
-batch, sent when this one is done. The ids are those of one `Tokenizer.encode` per text.
+batch, sent when this one is done. The ids are those of one `Tokenizer.encode` per text; a text
+without special tokens added (a rendered chat) is tokenized a piece between added tokens at a
+time, pieces seen before coming from a cache (`router.segment_encode`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from pdserve.tokenizer import Tokenizer
+from router.segment_encode import SegmentEncoder
 
 
 @dataclass(slots=True)
@@ -29,6 +32,7 @@ class EncodeBatcher:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.segments = SegmentEncoder(tokenizer)  # chats: only the pieces not seen before
         self._queued: list[_Text] = []
         self._drainer: asyncio.Task | None = None  # held: the loop keeps only a weak reference
         self.batches = 0  # batches encoded (for tests and logs)
@@ -63,6 +67,10 @@ class EncodeBatcher:
             where = [i for i, item in enumerate(batch) if item.add_special_tokens is special]
             if where:
                 texts = [batch[i].text for i in where]
-                for i, ids in zip(where, self.tokenizer.encode_batch(texts, special), strict=True):
+                if special:
+                    encoded = self.tokenizer.encode_batch(texts, True)
+                else:
+                    encoded = self.segments.encode_batch(texts)
+                for i, ids in zip(where, encoded, strict=True):
                     out[i] = ids
         return out

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from router.batch_encode import EncodeBatcher
+from router.segment_encode import MIN_CACHED_CHARS, SegmentEncoder
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +76,39 @@ def test_a_cancelled_caller_and_an_error_touch_no_one_else(tokenizer: Tokenizer)
     assert got == [tokenizer.encode(t) for t in prompts[1:]]
     assert isinstance(bad, TypeError)
     assert asyncio.run(batcher.encode(prompts[0])) == tokenizer.encode(prompts[0])  # still serving
+
+
+def test_chats_tokenized_by_pieces_equal_one_encode_and_reuse_earlier_turns(tokenizer: Tokenizer) -> None:
+    """A rendered chat tokenized a piece between added tokens at a time, pieces seen before from
+    the cache, gives `Tokenizer.encode`'s ids: multi-turn chats with tool calls, `<think>`, added
+    tokens back to back or at either end, text that only resembles one, non-ASCII and combining
+    marks next to the cuts; the next turn tokenizes no long piece it has seen; a full cache drops
+    the least recently used."""
+    system = "<|im_start|>system\nBe terse. " + "Répondez brièvement, s'il vous plaît. " * 20 + "<|im_end|>\n"
+    turns = [
+        "<|im_start|>user\nWeather in Oslo? ñ\u0303 한국어<|im_end|>\n<|im_start|>assistant\n",
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "city": "Oslo"}\n',
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n-3 C\n</tool_response><|im_end|>",
+        "\u0301 a combining mark first, <|im_start (not a token) and <|im_end|><|im_end|> twice " * 3,
+    ]
+    segments = SegmentEncoder(tokenizer)
+    conversation = system
+    for turn in turns:
+        conversation += turn
+        chats = [conversation, system + turn, turn]
+        assert segments.encode_batch(chats) == [tokenizer.encode(c) for c in chats]
+    assert segments.cached_chars >= len(system) - len("<|im_start|><|im_end|>\n")  # the system prompt's
+    calls: list[list[str]] = []
+    encode_batch = tokenizer.encode_batch
+    tokenizer.encode_batch = lambda texts, special=False: calls.append(texts) or encode_batch(texts, special)
+    try:
+        message = "user\nAnd tomorrow, in Bergen, around noon, will it rain or snow there?"
+        follow_up = f"{conversation}<|im_start|>{message}<|im_end|>\n"
+        assert segments.encode_batch([follow_up]) == [tokenizer.encode(follow_up)]
+    finally:
+        del tokenizer.encode_batch
+    assert [p for p in calls[0] if len(p) >= MIN_CACHED_CHARS] == [message]  # the new message alone
+    small = SegmentEncoder(tokenizer, max_chars=len(system) + 10)
+    small.encode_batch([system, turns[3]])
+    assert small.cached_chars <= len(system) + 10
+    assert small.encode_batch([system]) == [tokenizer.encode(system)]
