@@ -9,14 +9,18 @@ ids of a text are the ids of its pieces, each tokenized alone, with the added to
 them. `SegmentEncoder` keeps the pieces it has tokenized (least recently used dropped past
 `max_chars` characters), so a follow-up turn tokenizes only its new messages and a shared system
 prompt is tokenized once. Only added tokens the tokenizer matches on the raw text cut it (not
-normalized, no stripping of the spaces around them, not whole-word only); with none, the whole
-text is tokenized as before.
+normalized, no stripping of the spaces around them, not whole-word only); the whole text is
+tokenized as before when there is none, or when pieces would not add up: another added token
+that strips spaces or matches whole words (it may overlap a cut), or a normalizer or
+pre-tokenizer that treats the text's start apart (Metaspace's `first`, Prepend).
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
 
 from pdserve.tokenizer import Tokenizer
 
@@ -33,6 +37,8 @@ class SegmentEncoder:
             for i, t in added.items()
             if t.content and not (t.normalized or t.lstrip or t.rstrip or t.single_word)
         }
+        if not _cuts_are_exact(tokenizer, added.values()):
+            self._added = {}
         longest_first = sorted(self._added, key=len, reverse=True)  # the tokenizer's leftmost-longest
         self._cut = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self._added else None
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
@@ -74,3 +80,12 @@ class SegmentEncoder:
     @property
     def cached_chars(self) -> int:
         return self._chars
+
+
+def _cuts_are_exact(tokenizer: Tokenizer, added: Iterable[Any]) -> bool:
+    """Whether a text's ids are always its pieces' between the added tokens (see the module)."""
+    if any(not t.normalized and (t.lstrip or t.rstrip or t.single_word) for t in added):
+        return False
+    parts = (tokenizer.backend.normalizer, tokenizer.backend.pre_tokenizer)
+    rules = " ".join(str(part.__getstate__()) for part in parts if part is not None)
+    return "Metaspace" not in rules and "Prepend" not in rules

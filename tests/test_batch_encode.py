@@ -112,3 +112,21 @@ def test_chats_tokenized_by_pieces_equal_one_encode_and_reuse_earlier_turns(toke
     small.encode_batch([system, turns[3]])
     assert small.cached_chars <= len(system) + 10
     assert small.encode_batch([system]) == [tokenizer.encode(system)]
+
+
+def test_a_tokenizer_whose_pieces_would_not_add_up_is_tokenized_whole() -> None:
+    """Metaspace that marks only the text's first word (`prepend_scheme="first"`): a piece after an
+    added token would get the mark too, so the whole text is tokenized, as `encode` does."""
+    from tokenizers import AddedToken, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = {"[UNK]": 0, "▁a": 1, "a": 2, "▁b": 3, "b": 4, "▁": 5}
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.add_special_tokens([AddedToken("<s>", special=True, normalized=False)])
+    tokenizer = Tokenizer(backend, eos_token_ids=[0])
+    segments = SegmentEncoder(tokenizer)
+    assert segments.encode_batch(["a<s>b", "a b<s>a"]) == [
+        tokenizer.encode("a<s>b"),
+        tokenizer.encode("a b<s>a"),
+    ]

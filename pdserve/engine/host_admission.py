@@ -11,7 +11,8 @@ tier (simulated on the CPU, session 16).
 `HostAdmission` keeps, per kind, whether each of the last `WINDOW` entries moved to the host tier
 was restored before it left. While none of a full window was, only one entry in `PROBE` of that
 kind is moved there (the others are dropped), so a change in the workload is still seen; one
-restore and every entry of the kind is moved again.
+restore and every entry of the kind is moved again. A probe is not among the first the host tier
+evicts (`CacheEntry.probe`), so it lives long enough to show a change.
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ class HostAdmission:
         self._outcomes: dict[str, deque[bool]] = {}
         self._skipped: dict[str, int] = {}
 
+    def throttled(self, kind: str) -> bool:
+        """Whether none of the last full window of `kind`'s entries moved to the host was restored."""
+        outcomes = self._outcomes.get(kind)
+        return outcomes is not None and len(outcomes) == WINDOW and not any(outcomes)
+
     def admits(self, kind: str) -> bool:
         """Whether an evicted entry of `kind` should be moved to the host tier now."""
-        outcomes = self._outcomes.get(kind)
-        if outcomes is None or len(outcomes) < WINDOW or any(outcomes):
+        if not self.throttled(kind):
             return True
         skipped = self._skipped.get(kind, 0) + 1
         self._skipped[kind] = skipped % PROBE

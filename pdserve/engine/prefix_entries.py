@@ -67,6 +67,9 @@ class PrefixEntryStore:
         the caller's fresh device copy replaces it."""
         entry = self.entries.get(key)
         if entry is not None and entry.tier == "host":
+            if not entry.host_restored:  # its prefix was wanted again: the move was not wasted
+                entry.host_restored = True
+                self.admission.left(entry.kind, restored=True)
             self._drop(entry)
             entry = None
         if entry is not None:
@@ -123,6 +126,7 @@ class PrefixEntryStore:
     def _demote(self, entry: CacheEntry, keep: CacheEntry | None) -> bool:
         """Move a device entry to the host tier (making room there, least valuable first)."""
         host = self._host_tier()
+        probe = self.admission.throttled(entry.kind)
         if host is None or len(entry.pages) > host.num_pages or not self.admission.admits(entry.kind):
             return False
         while not host.fits(len(entry.pages)):
@@ -134,7 +138,7 @@ class PrefixEntryStore:
         self.kv_pool.free(entry.pages)
         self.checkpoints.free(entry.checkpoint)
         entry.pages, entry.checkpoint, entry.tier = host_pages, host_ck, "host"
-        entry.host_restored = False
+        entry.host_restored, entry.probe = False, probe
         return True
 
     def _drop(self, entry: CacheEntry) -> None:

@@ -38,6 +38,7 @@ class CacheEntry:
     # is dropped, not copied to the host tier (~140 MiB of copies for a 4K-token entry)
     superseded: bool = False
     host_restored: bool = False  # on the host tier: restored from there since it was moved there
+    probe: bool = False  # moved to the host tier while its kind was throttled (`HostAdmission`)
 
 
 class EntryIndex:
@@ -112,7 +113,7 @@ class EntryIndex:
             candidates = [e for e in candidates if e.hits == 0]
         if not candidates:
             return None
-        first = next((e for e in candidates if e.hits == 0 and e.kind in EVICT_FIRST), None)
+        first = next((e for e in candidates if e.hits == 0 and e.kind in EVICT_FIRST and not e.probe), None)
         if first is not None:
             return first
         older = candidates[: (len(candidates) + 1) // 2]

@@ -111,7 +111,7 @@ def _attend_tile(
                  out.to(o_ptr.dtype.element_ty), mask=valid[:, None])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles", "tiles_per_seq", "num_seqs"])  # one build for every pass
 def _prefill_gqa_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, cu_q_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
@@ -178,7 +178,7 @@ def paged_prefill(
     keys, values = kv_layer[0], kv_layer[1]
     grid = (triton.cdiv(max_q_len, tokens), seq_lens.shape[0], num_kv_heads)
     num_tiles = grid[0] * grid[1] * grid[2]
-    persistent = programs is not None and programs < num_tiles
+    persistent = programs is not None and 0 < programs < num_tiles
     _prefill_gqa_kernel[(programs,) if persistent else grid](
         q, keys, values, out, block_tables, seq_lens, cu_seqlens_q,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
