@@ -32,7 +32,7 @@ class EncodeBatcher:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.segments = SegmentEncoder(tokenizer)  # chats: only the pieces not seen before
+        self.segments: SegmentEncoder | None = None  # chats: new pieces only (made at first use)
         self._queued: list[_Text] = []
         self._drainer: asyncio.Task | None = None  # held: the loop keeps only a weak reference
         self.batches = 0  # batches encoded (for tests and logs)
@@ -70,6 +70,7 @@ class EncodeBatcher:
                 if special:
                     encoded = self.tokenizer.encode_batch(texts, True)
                 else:
+                    self.segments = self.segments or SegmentEncoder(self.tokenizer)
                     encoded = self.segments.encode_batch(texts)
                 for i, ids in zip(where, encoded, strict=True):
                     out[i] = ids
