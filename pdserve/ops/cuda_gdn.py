@@ -144,11 +144,20 @@ def l2_normed_qk(q, k, scale, eps):
 def delta_rule_step(s_ptrs, s_mask, q, k, v, decay, beta):
     """The [DK, BV] state tile at s_ptrs decayed, delta-updated by (k, v) and written back; -> q's
     read-out [BV] (fp32). q, k [DK] l2-normed (q scaled); v [BV]; decay, beta scalars."""
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * decay
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    state, out = delta_rule_update(state, q, k, v, decay, beta)
+    tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_mask)
+    return out
+
+
+@triton.jit
+def delta_rule_update(state, q, k, v, decay, beta):
+    """The fp32 [DK, BV] `state` decayed and delta-updated by (k, v); -> (new state, q's read-out
+    [BV]). q, k [DK] l2-normed (q scaled); v [BV]; decay, beta scalars."""
+    state = state * decay
     written = beta * (v - tl.sum(state * k[:, None], axis=0))
     state = state + k[:, None] * written[None, :]
-    tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_mask)
-    return tl.sum(state * q[:, None], axis=0)
+    return state, tl.sum(state * q[:, None], axis=0)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -246,11 +255,9 @@ def _gdn_segments_kernel(
         k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         q, k = l2_normed_qk(q, k, scale, eps)
         v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        state = state * tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
+        decay = tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
         beta = tl.load(beta_ptr + t * stride_betat + hv).to(tl.float32)
-        written = beta * (v - tl.sum(state * k[:, None], axis=0))
-        state = state + k[:, None] * written[None, :]
-        out = tl.sum(state * q[:, None], axis=0)
+        state, out = delta_rule_update(state, q, k, v, decay, beta)
         tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v, out.to(o_ptr.dtype.element_ty), mask=mask_v)
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
 
