@@ -1,6 +1,6 @@
 """Can decode steps keep their ITL while a long prompt prefills beside them? (issue 12, point 2):
 `python -m pdserve.ops.bench_overlap [--context 131072] [--chunk 8192] [--decode 4]
-[--layers-per-step 1 2 4 8] [--steps 200] [--attention-programs 0 100]`.
+[--layers-per-step 1 2 4 8] [--steps 200] [--attention-programs 0 100] [--prefill-sms 100]`.
 
 At the full Qwen3.6-35B-A3B shape (random bf16 weights): `--decode` sequences of 1,100 tokens decode
 by CUDA-graph replay while one long prompt's chunk of `--chunk` tokens after `--context` tokens
@@ -15,7 +15,9 @@ Prints each way's ITL p50 / p99 (and p99 over the baseline's p50: issue 12 asks 
 chunk's tokens/s beside the decode steps (the long prompt's TTFT scales with its inverse), for
 each of `--attention-programs` P: the chunk's prefill attention as P persistent programs, the
 other SMs left to the decode stream (0: its usual grid, one program a query tile; session 16
-measured a decode step beside that grid at 131K waiting out the whole layer, ~44 ms).
+measured a decode step beside that grid at 131K waiting out the whole layer, ~44 ms), and for
+each of `--prefill-sms` N: the chunk's stream in a CUDA green context of N SMs (the decode stream
+keeps the whole device, so at least the other SMs are never held by the chunk).
 """
 
 from __future__ import annotations
@@ -76,7 +78,21 @@ class Overlap:
         self.chunk_inputs = ([ids], [args.context], [self.long_table], [self.long_slot], page)
         self.programs: int | None = None  # the chunk's attention programs (None: the usual grid)
         self.high = torch.cuda.Stream(priority=-100)  # mapped to the device's highest priority
-        self.low = torch.cuda.Stream(priority=0)
+        self.low = self.whole_device = torch.cuda.Stream(priority=0)
+
+    def confine_chunk(self, sms: int) -> None:
+        """The chunk's stream in a green context of `sms` SMs (0: a stream of the whole device)."""
+        if not sms:
+            self.low = self.whole_device
+            return
+        green = torch.cuda.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+        if hasattr(green, "Stream"):
+            self.low = green.Stream()
+        else:  # torch before the green context's own stream: a stream made while it is current
+            green.set_context()
+            self.low = torch.cuda.Stream(priority=0)
+            green.pop_context()
+        self.green = green  # kept alive with its stream
 
     def step(self) -> None:
         """One decode step on the high-priority stream, to its tokens on the host."""
@@ -138,6 +154,10 @@ def main() -> None:
         "--attention-programs", type=int, nargs="+", default=[0],
         help="the chunk's attention as this many persistent programs (0: one a tile)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prefill-sms", type=int, nargs="*", default=[],
+        help="also the chunk's stream in a CUDA green context of this many SMs (usual attention grid)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="the results as one JSON line here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
@@ -148,11 +168,14 @@ def main() -> None:
         base = percentiles(bench.alone())
         rows: dict[str, dict] = {"alone": {"itl_ms": base}}
         print(f"decode x{args.decode} alone: ITL p50 {base[0]:.2f} ms, p99 {base[1]:.2f} ms")
-        for programs in args.attention_programs:
+        variants = [(p, 0) for p in args.attention_programs] + [(0, n) for n in args.prefill_sms]
+        for programs, sms in variants:
             bench.programs = programs or None
+            bench.confine_chunk(sms)
             bench.chunk_alone(passes=1)  # the persistent kernel's build
             chunk_s = bench.chunk_alone()
             label = f"{programs} attention programs" if programs else "attention one program a tile"
+            label += f", chunk on {sms} SMs" if sms else ""
             rows[f"{label}: chunk alone"] = {"tok_s": args.chunk / chunk_s}
             print(f"{label}: chunk of {args.chunk} after {args.context}: {chunk_s * 1e3:.0f} ms alone, "
                   f"{args.chunk / chunk_s:,.0f} tok/s")  # fmt: skip
