@@ -33,6 +33,8 @@ ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--gpu-memory-utilization": ("gpu_memory_utilization", float),
     "--snapshot-pool-mb": ("snapshot_pool_mb", int),
     "--num-prefix-checkpoints": ("num_prefix_checkpoints", int),
+    "--background-prefill-tokens": ("background_prefill_tokens", int),
+    "--background-prefill-sms": ("background_prefill_sms", int),
 }
 # on/off flags (`--x` / `--no-x`; unset: the EngineConfig default) -> EngineConfig field
 ENGINE_SWITCHES: dict[str, str] = {
@@ -54,6 +56,10 @@ _HELP = {
     "(default 4096 on GPU, 16 on CPU; 0: none)",
     "--num-prefix-checkpoints": "GDN state checkpoints the prefix cache keeps on the device, ~61 MiB "
     "each at the full shape (default: 2 x --max-num-seqs on GPU, 32 on CPU)",
+    "--background-prefill-tokens": "a prompt chunk ending at or past this many tokens runs beside the "
+    "decode steps instead of in them, so short streams keep their ITL (default 32768; 0: never)",
+    "--background-prefill-sms": "SMs a background prefill pass may hold on a GPU (default: all but 32; "
+    "0: the whole device)",
 }
 
 

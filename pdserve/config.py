@@ -54,6 +54,11 @@ class EngineConfig:
     # the prefix cache's pinned host tier for entries evicted from the device, MiB (0: none);
     # None: 4,096 on a GPU, 16 on a CPU (the same code path, a small pool)
     snapshot_pool_mb: int | None = None
+    # a prompt chunk ending at or past this many tokens of its sequence, in a step that also
+    # decodes, runs as a background pass beside the decode steps (pdserve.engine.background_pass;
+    # 0: never); and the SMs that pass may hold on a GPU (None: all but 32; 0: the whole device)
+    background_prefill_tokens: int = 32768
+    background_prefill_sms: int | None = None
     # what the engine serves: "prefill" captures no decode graphs (it never decodes), "decode"
     # (its prefix cache holds finished generations, for a prefill instance to pull), "both"
     # (offline, or one engine on one GPU)
@@ -85,6 +90,8 @@ class EngineConfig:
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.background_prefill_tokens < 0 or (self.background_prefill_sms or 0) < 0:
+            raise ValueError("background_prefill_tokens and background_prefill_sms must be >= 0")
         if self.snapshot_pool_mb is None:
             self.snapshot_pool_mb = 4096 if self.device.startswith("cuda") else 16
         if self.snapshot_pool_mb < 0:

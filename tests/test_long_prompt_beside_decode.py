@@ -1,13 +1,16 @@
 """A 6,000-token prompt prefilled in chunks of 512 while two short requests decode beside it:
 the long prompt's greedy tokens equal transformers', the short requests' outputs are those they
-give alone, and they keep getting tokens during the long prefill (decode rows are scheduled
-before prefill chunks)."""
+give alone, and they keep getting tokens during the long prefill: in mixed steps (decode rows
+are scheduled before prefill chunks), and with the chunks past 1,024 tokens run as background
+passes beside the decode steps (pdserve.engine.background_pass: on a CPU, their layers in turn
+between the steps)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
@@ -16,7 +19,8 @@ from tests.helpers import assert_no_leaks, random_prompts
 LONG = 6000
 
 
-def test_long_prompt_chunked_beside_decoding_requests(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_long_prompt_chunked_beside_decoding_requests(tiny_model_dir, tmp_path, device: str) -> None:
     model = tmp_path / "tiny-8k"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
@@ -24,24 +28,34 @@ def test_long_prompt_chunked_beside_decoding_requests(tiny_model_dir, tmp_path) 
     (model / "config.json").write_text(json.dumps(config))
     long_prompt, *short = random_prompts((LONG, 20, 30), seed=11, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = LLM(str(model), dtype="float32", max_model_len=8192, max_num_batched_tokens=512)
-    alone = [out.token_ids for out in llm.generate(short, params)]
-
-    engine = llm.engine
-    short_ids = [
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in short
-    ]
-    engine.step()  # the short ones are decoding
-    long_id = engine.add_request(long_prompt, params)
-    outputs, tokens_during_prefill = {}, 0
-    while engine.has_unfinished():
-        prefilling = long_id in engine.requests and not engine.requests[long_id].output_token_ids
-        for out in engine.step():
-            outputs[out.request_id] = out
-            tokens_during_prefill += prefilling and out.request_id in short_ids
-    assert tokens_during_prefill >= 10, "the short requests waited for the long prefill"
-    assert [outputs[i].token_ids[:16] for i in short_ids] == alone
-    assert_no_leaks(engine)
+    got = {}
+    for background in (0, 1024):
+        # on the GPU the background passes run on a green context's stream beside the decode graphs
+        llm = LLM(str(model), device=device, dtype="float32", max_model_len=8192, max_num_batched_tokens=512,
+                  background_prefill_tokens=background, max_num_seqs=4)  # fmt: skip
+        alone = [out.token_ids for out in llm.generate(short, params)]
+        engine = llm.engine
+        short_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        short_ids = [engine.add_request(p, short_params) for p in short]
+        engine.step()  # the short ones are decoding
+        long_id = engine.add_request(long_prompt, params)
+        outputs, tokens_during_prefill, beside_background = {}, 0, 0
+        while engine.has_unfinished():
+            prefilling = long_id in engine.requests and not engine.requests[long_id].output_token_ids
+            for out in engine.step():
+                outputs[out.request_id] = out
+                tokens_during_prefill += prefilling and out.request_id in short_ids
+                beside_background += engine._background is not None and out.request_id in short_ids
+        assert tokens_during_prefill >= 10, "the short requests waited for the long prefill"
+        assert (beside_background >= 10) == bool(background), (
+            f"{beside_background} tokens beside a background pass"
+        )
+        assert [outputs[i].token_ids[:16] for i in short_ids] == alone
+        assert_no_leaks(engine)
+        got[background] = outputs[long_id].token_ids
+    assert got[1024] == got[0]
+    if device == "cuda":
+        return  # transformers' answer is the CPU case's
 
     from transformers import AutoModelForCausalLM
 
@@ -50,4 +64,27 @@ def test_long_prompt_chunked_beside_decoding_requests(tiny_model_dir, tmp_path) 
     ref = hf.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False
     )
-    assert outputs[long_id].token_ids == ref[0, LONG:].tolist()
+    assert got[0] == ref[0, LONG:].tolist()
+
+
+def test_abort_during_a_background_pass_frees_its_memory(tiny_model_dir) -> None:
+    """A long prompt aborted while its chunk runs as a background pass: the pass is waited for,
+    its reserved checkpoints freed, and its pages and slot returned; the short request decodes on."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=128, background_prefill_tokens=200)
+    engine = llm.engine
+    long_prompt, short = random_prompts((400, 12), seed=12, vocab=1000)
+    short_id = engine.add_request(short, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.step()
+    long_id = engine.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=4))
+    for _ in range(50):
+        engine.step()
+        if engine._background is not None:
+            break
+    assert engine._background is not None and engine._background.seq.request_id == long_id
+    assert engine.abort(long_id)
+    assert engine._background is None
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+    assert long_id not in outputs and outputs[short_id].finished
+    assert_no_leaks(engine)

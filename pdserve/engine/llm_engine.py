@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from pdserve.config import EngineConfig
+from pdserve.engine.background_pass import BackgroundPass, background_stream
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import PrefixCache
@@ -56,6 +57,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.run_ahead = True  # pdserve.engine.run_ahead; False: finish each step before the next
         self._ahead: InFlight | None = None
+        self._background: BackgroundPass | None = None  # a long prompt's chunk beside the steps
+        self._background_stream = None  # made at the first background pass
         self.prefill_rate = PrefillRate()  # measured per step, for the prefix cache's pulls
         # one instance holding both roles: a handed-over sequence decodes on at once, its
         # outputs kept until its decode stream claims it (pdserve.engine.handover_states)
@@ -121,13 +124,17 @@ class LLMEngine:
         """Stop a request wherever it is (queued, running, receiving, held) and free its memory;
         False if there was none."""
         seq = self.requests.pop(request_id, None)
+        if seq is not None and self._background is not None and self._background.seq is seq:
+            self._background.run_to_end()  # its pages and slot are in use on the GPU until then
+            self.scheduler.abandon([self._background.item])
+            self._background, seq.in_background = None, False
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq)
             return True
         return self.scheduler.release_lease(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._ahead is not None
+        return self.scheduler.has_work() or self._ahead is not None or self._background is not None
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
@@ -138,15 +145,54 @@ class LLMEngine:
         if ahead is not None:
             ahead.reserve_tokens()
         scheduled_at = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self._to_background(self.scheduler.schedule())
         launched = self._launch(scheduled, ahead, scheduled_at) if scheduled else None
+        if self._background is not None:  # its next layers, while the GPU runs this step
+            if launched is None and ahead is None:
+                self._background.run_to_end()  # nothing else to run: it may take the whole step
+            else:
+                self._background.advance()
         outputs = self._finish(ahead, pending=True) if ahead else []
         if launched is not None:
             if self.run_ahead and may_run_ahead(launched.seqs):
                 self._ahead = launched
             else:
                 outputs += self._finish(launched)
+        if self._background is not None and self._background.done():
+            outputs += self._end_background()
         return outputs
+
+    def _to_background(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Take a long prompt chunk out of a step that also decodes, as a background pass
+        (pdserve.engine.background_pass); the rest of the step is returned."""
+        threshold = self.config.background_prefill_tokens
+        if not threshold or self._background is not None or not any(s.num_new_tokens == 1 for s in scheduled):
+            return scheduled
+        for item in scheduled:
+            seq = item.seq
+            if item.num_new_tokens > 1 and seq.num_computed_tokens + item.num_new_tokens >= threshold:
+                if seq.prompt_logprobs is not None:  # scored in its passes: kept in the foreground
+                    continue
+                if self._background_stream is None:
+                    self._background_stream = background_stream(
+                        self.runner.device, self.config.background_prefill_sms
+                    )
+                self._background = BackgroundPass(self.runner, self.sampler, item, self._background_stream)
+                return [s for s in scheduled if s is not item]
+        return scheduled
+
+    def _end_background(self) -> list[RequestOutput]:
+        """The background pass has run: its chunk counts as computed, its checkpoints commit,
+        and the first token of a prompt it ended is taken."""
+        done, self._background = self._background, None
+        item, seq = done.item, done.seq
+        seq.in_background = False
+        seq.num_computed_tokens += item.num_new_tokens
+        self.scheduler.reached_checkpoint(item)
+        self.prefill_rate.measured(item.num_new_tokens, done.started, time.perf_counter())
+        if done.sampled is None:
+            return []
+        return self.postprocess([seq], done.sampled, host=done.host)
 
     def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None, scheduled_at: float) -> InFlight:
         self.last_pass = scheduled  # what a slow step ran (EngineThread's warning names it)

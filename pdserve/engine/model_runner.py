@@ -139,10 +139,9 @@ class ModelRunner:
             "raise --gpu-memory-utilization, or run one engine per GPU"
         )
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], patch: TokenPatch | None = None) -> torch.Tensor:
-        """Run one packed pass; returns fp32 logits [num sampling sequences, vocab]. Sequences
-        asking for prompt logprobs get this pass's entries appended (pdserve.engine.prompt_logprobs)."""
+    def build_batch(self, scheduled: list[ScheduledSeq], patch: TokenPatch | None = None) -> ForwardBatch:
+        """The pass's tensors on the device (copied on the current stream), its checkpoints'
+        plan, and the in-flight step's tokens patched into its input."""
         batch = ForwardBatch.build(
             token_ids=[
                 s.seq.token_ids(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
@@ -166,6 +165,13 @@ class ModelRunner:
                 self.device,
             )
         apply_patch(batch.input_ids, patch)  # tokens of the step in flight, read on the device
+        return batch
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq], patch: TokenPatch | None = None) -> torch.Tensor:
+        """Run one packed pass; returns fp32 logits [num sampling sequences, vocab]. Sequences
+        asking for prompt logprobs get this pass's entries appended (pdserve.engine.prompt_logprobs)."""
+        batch = self.build_batch(scheduled, patch)
         prompt_rows = plan_prompt_rows(scheduled)
         if self.graphs is not None and not prompt_rows and batch.saves is None and self.graphs.fits(batch):
             return self.graphs.replay(batch)

@@ -96,7 +96,11 @@ class Scheduler(HandoverStates):
         batch: list[ScheduledSeq] = []
         # decoding sequences first (a token each), then chunks of prompts still prefilling: a long
         # prompt never holds the decode batch back for the steps its chunks take
-        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        # (a sequence whose chunk runs as a background pass sits this step out, and is no victim)
+        order = sorted(
+            (s for s in self.running if not s.in_background),
+            key=lambda s: s.num_tokens - s.num_computed_tokens > 1,
+        )
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]

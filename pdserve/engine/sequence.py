@@ -48,6 +48,9 @@ class Sequence:
     # prefix cache must not restore any of them for it
     prompt_logprobs: list[dict | None] | None = None
     skip_prefix_cache: bool = False
+    # a chunk of its prompt runs as a background pass (pdserve.engine.background_pass): the
+    # scheduler leaves it out of its batches and out of preemption until the engine ends the pass
+    in_background: bool = False
     waited_for_sibling: bool = False  # held back one pass for a shared prefix (engine.burst_sharing)
     # Hand-over (prefill service): after its first token the sequence is HELD, its pages and
     # slot kept under a lease until a decode instance has pulled them, instead of decoding on.

@@ -1,0 +1,139 @@
+"""A long prompt's chunk computed beside the decode steps (issue 12: short streams keep their
+inter-token latency while a 262K-token prompt prefills).
+
+In a mixed step the decode rows wait for the step's prompt chunk, whose attention grows with the
+context already cached (~100 ms a 1K-token chunk at 262K). So when a step would carry decode rows
+and a prompt chunk ending at or past `EngineConfig.background_prefill_tokens`, the engine takes
+that chunk out of the step and runs it as a BACKGROUND PASS:
+  - its layers are launched a few at a time between the foreground steps, from the one engine
+    thread (`Qwen3MoeHybrid.forward_layers`), on a stream of its own: on a GPU a stream of a CUDA
+    green context holding `background_prefill_sms` SMs, so the decode steps (the default stream,
+    the whole device) always have the other SMs (measured by `pdserve.ops.bench_overlap`); on a
+    CPU the layers simply run in turn between the steps;
+  - the stream first waits for everything the default stream queued before the pass (the slot's
+    zeroing, a cache restore, the previous chunk's checkpoint copy);
+  - the sequence stays RUNNING but out of the scheduler's batches (`Sequence.in_background`) and
+    out of its preemption; it is finished by the engine once the pass's done event has fired:
+    then its computed tokens advance, its checkpoints commit and, for the prompt's last chunk,
+    its first token is taken (sampled on the background stream);
+  - an abort waits for the pass (its pages and slot are in use on the GPU until then).
+Outputs are those of the same chunks run in the foreground, token for token: a pass reads and
+writes only its own sequence's pages and slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.engine.sequence import Sequence
+from pdserve.pinned import HostCopy
+from pdserve.sampling.sampler import Sampler, SamplerOutput
+
+QUEUED_LAYERS = 3  # on a GPU: keep this many layers launched ahead of the background stream
+LAYERS_PER_STEP = 4  # at most this many launched between two foreground steps (their host time)
+DECODE_SMS = 32  # SMs a green context leaves to the decode steps by default
+
+
+def background_stream(device: torch.device, sms: int | None) -> torch.cuda.Stream | None:
+    """The stream background passes run on: a CUDA green context's of `sms` SMs (None: all but
+    `DECODE_SMS`; 0, or no green contexts in this torch: a low-priority stream of the whole
+    device); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = max(8, total - DECODE_SMS) if sms is None else sms
+    green = getattr(torch.cuda, "green_contexts", None)
+    if sms and sms < total and green is not None and green.SUPPORTED:
+        context = torch.cuda.GreenContext.create(num_sms=sms, device_id=device.index or 0)
+        stream = context.Stream()
+        stream.green_context = context  # the context lives as long as its stream
+        return stream
+    return torch.cuda.Stream(device, priority=0)
+
+
+class BackgroundPass:
+    """One prompt chunk's pass on the background stream, launched a few layers at a time."""
+
+    def __init__(
+        self, runner: ModelRunner, sampler: Sampler, item: ScheduledSeq, stream: torch.cuda.Stream | None
+    ) -> None:
+        self.item = item
+        self.stream = stream
+        self.started = time.perf_counter()
+        self.sampled: SamplerOutput | None = None
+        self.host: HostCopy | None = None
+        self._runner, self._sampler = runner, sampler
+        self._layer_done: list[torch.cuda.Event] = []
+        self._done: torch.cuda.Event | None = None
+        self._finished_on_host = False
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(runner.device))
+        with self._on_stream():
+            self._batch = runner.build_batch([item])
+            self._layers = runner.model.forward_layers(self._batch)
+        item.seq.in_background = True
+
+    @property
+    def seq(self) -> Sequence:
+        return self.item.seq
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _queued(self) -> int:
+        """Layers launched that the GPU has not finished."""
+        while self._layer_done and self._layer_done[0].query():
+            self._layer_done.pop(0)
+        return len(self._layer_done)
+
+    def advance(self) -> None:
+        """Launch the next layers: up to `LAYERS_PER_STEP`, and on a GPU only while fewer than
+        `QUEUED_LAYERS` wait there (the queue stays short, so the host time goes where it pays)."""
+        for _ in range(LAYERS_PER_STEP):
+            if self._launched_all() or (self.stream is not None and self._queued() >= QUEUED_LAYERS):
+                return
+            self._launch_one()
+
+    def run_to_end(self) -> None:
+        """Launch what is left and wait for it (nothing else to run beside it, or an abort)."""
+        while not self._launched_all():
+            self._launch_one()
+        if self._done is not None:
+            self._done.synchronize()
+
+    def _launched_all(self) -> bool:
+        return self._done is not None or self._finished_on_host
+
+    def _launch_one(self) -> None:
+        with self._on_stream(), torch.inference_mode():
+            try:
+                next(self._layers)
+            except StopIteration as end:
+                self._end(end.value)
+                return
+            if self.stream is not None:
+                self._layer_done.append(self.stream.record_event())
+
+    def _end(self, hidden: torch.Tensor) -> None:
+        """The last layer is launched: logits and the first token if the prompt ends here."""
+        if self.item.samples:
+            logits = self._runner.model.compute_logits(hidden[self._batch.logits_indices])
+            self.sampled = self._sampler.sample(logits, [self.seq.sampling])
+            s = self.sampled
+            self.host = HostCopy(s.token_ids, s.logprobs, s.top_token_ids, s.top_logprobs)
+        if self.stream is not None:
+            self._done = self.stream.record_event()
+        else:
+            self._finished_on_host = True
+        self._batch = None  # its tensors are freed on the background stream, its own blocks
+
+    def done(self) -> bool:
+        """The GPU has run the whole pass."""
+        if self._done is not None:
+            return self._done.query()
+        return self._finished_on_host
