@@ -8,7 +8,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.check import checkpoint_differences, checkpoint_states
 from pdserve.model import mid_pass_saves
-from tests.helpers import assert_no_leaks, random_prompts
+from tests.helpers import assert_no_leaks, random_prompts, transformers_torch_gdn
 
 pytestmark = pytest.mark.gpu
 CUDA_FP32 = {"device": "cuda", "dtype": "float32", "max_model_len": 512, "num_kv_pages": 256}
@@ -51,7 +51,8 @@ def test_cuda_matches_transformers_on_cuda(tiny_model_dir, hf_model) -> None:
     ids = torch.tensor([prompt], device="cuda")
     try:
         with torch.no_grad():
-            ref = hf_model(ids.cpu()).logits[0, -1].float()
+            with transformers_torch_gdn():
+                ref = hf_model(ids.cpu()).logits[0, -1].float()
             hf_bf16 = hf_model.to("cuda", torch.bfloat16)(ids).logits[0, -1].float().cpu()
     finally:
         hf_model.to(device="cpu", dtype=torch.float32)

@@ -30,9 +30,10 @@ def test_long_prompt_chunked_beside_decoding_requests(tiny_model_dir, tmp_path, 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = {}
     for background in (0, 1024):
-        # on the GPU the background passes run on a green context's stream beside the decode graphs
+        # on the GPU the background passes run on a green context's stream beside the decode graphs;
+        # 600 KV pages, not 90% of the GPU (a second engine is built while the first is alive)
         llm = LLM(str(model), device=device, dtype="float32", max_model_len=8192, max_num_batched_tokens=512,
-                  background_prefill_tokens=background, max_num_seqs=4)  # fmt: skip
+                  background_prefill_tokens=background, max_num_seqs=4, num_kv_pages=600)  # fmt: skip
         alone = [out.token_ids for out in llm.generate(short, params)]
         engine = llm.engine
         short_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
