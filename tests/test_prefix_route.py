@@ -136,31 +136,38 @@ def test_a_busy_holder_is_named_for_a_pull(redis_url: str) -> None:
 def test_a_burst_counts_the_tokens_it_computes(redis_url: str) -> None:
     """A burst is full at `max_tokens` tokens past each prompt's cached prefix: four follow-up
     turns that hold 300 tokens, 290 of them cached, go out together; four uncached prompts of 300
-    go out one by one (the 32 turns of a conversation burst had gone out four at a time)."""
+    go out one by one (the 32 turns of a conversation burst had gone out four at a time). With
+    one live instance there is no lookup (the registry has no Redis behind it) and the window
+    sends the four uncached prompts together."""
     conversation = list(range(5000, 5290))
 
-    async def send(prompts: list[list[int]]) -> list[int]:
+    async def send(prompts: list[list[int]], names: tuple[str, ...]) -> tuple[list[int], set[str]]:
         async with InstanceRegistry(redis_url, namespace=f"t4-{prompts[0][0]}", secret=None) as registry:
             await publish(registry, "prefill-0", entry_keys(conversation, 290))
             instances = InstanceSet(registry, RouterMetrics())
-            extra = {"prefix_block_size": BLOCK, "prefix_salt": SALT, "agent": "prefill-0"}
-            info = InstanceInfo(
-                "prefill", "prefill-0", "127.0.0.1:1", {"running": 0, "waiting": 0}, extra=extra
-            )
-            instances.live["prefill"]["prefill-0"] = info
-            sent: list[dict] = []
-            instances.client = lambda _: RecordingPrefill(sent)
+            if len(names) == 1:
+                instances.registry = InstanceRegistry("redis://127.0.0.1:1", secret=None)  # nobody there
+            for i, name in enumerate(names):
+                extra = {"prefix_block_size": BLOCK, "prefix_salt": SALT, "agent": name}
+                load = {"running": 0, "waiting": 0}
+                info = InstanceInfo("prefill", name, f"127.0.0.1:{i + 1}", load, extra=extra)
+                instances.live["prefill"][name] = info
+            sent: dict[str, list[dict]] = {}
+            instances.client = lambda info: RecordingPrefill(sent.setdefault(info.instance_id, []))
             config = BurstConfig(window_s=0.5, max_tokens=300)
             bursts = PrefillBursts(instances, DisaggMetrics(RouterMetrics()), config, Background())
             params = SamplingParams(max_tokens=4)
             requests = [GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
             await asyncio.gather(*(bursts.first_token(r) for r in requests))
-            return [len(burst["requests"]) for burst in sent]
+            return [len(burst["requests"]) for bursts in sent.values() for burst in bursts], set(sent)
 
+    two = ("prefill-0", "prefill-1")
     turns = [conversation + [i] * 10 for i in range(4)]
-    assert asyncio.run(send(turns)) == [4]  # 40 tokens to compute: the window sends them
+    assert asyncio.run(send(turns, two)) == ([4], {"prefill-0"})  # 40 tokens to compute: the window
     fresh = [[9000 + i] * 300 for i in range(4)]
-    assert asyncio.run(send(fresh)) == [1, 1, 1, 1]
+    sizes, _ = asyncio.run(send(fresh, two))
+    assert sorted(sizes) == [1, 1, 1, 1]
+    assert asyncio.run(send(fresh, ("prefill-0",))) == ([4], {"prefill-0"})
 
 
 def test_prefix_source_is_validated() -> None:
