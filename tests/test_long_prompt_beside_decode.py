@@ -89,3 +89,31 @@ def test_abort_during_a_background_pass_frees_its_memory(tiny_model_dir) -> None
         outputs.update((out.request_id, out) for out in engine.step())
     assert long_id not in outputs and outputs[short_id].finished
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("background", [0, 200])
+def test_a_short_request_starts_during_a_long_prefill(tiny_model_dir, background: int) -> None:
+    """A short prompt that arrives while a long one is being prefilled in chunks is admitted at
+    the next step (the long chunk yields the tokens it needs), not after the whole long prompt;
+    both give the tokens they give alone. With a background threshold the long chunks then run
+    as background passes beside it."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=128, max_num_seqs=4,
+              background_prefill_tokens=background, enable_prefix_caching=False)  # fmt: skip (no hit)
+    long_prompt, short = random_prompts((480, 20), seed=13, vocab=1000)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [out.token_ids for out in llm.generate([long_prompt, short], params)]
+    engine = llm.engine
+    long_id = engine.add_request(long_prompt, params)
+    engine.step()  # the long prompt's first chunk
+    short_id = engine.add_request(short, params)
+    outputs, steps, first_token_step = {}, 0, None
+    while engine.has_unfinished():
+        steps += 1
+        for out in engine.step():
+            outputs[out.request_id] = out
+            if out.request_id == short_id and first_token_step is None:
+                first_token_step = steps
+    long_seq_steps = -(-len(long_prompt) // 128)
+    assert first_token_step is not None and first_token_step <= 2 < long_seq_steps - 1, first_token_step
+    assert [outputs[long_id].token_ids, outputs[short_id].token_ids] == alone
+    assert_no_leaks(engine)

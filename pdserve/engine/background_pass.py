@@ -2,9 +2,10 @@
 inter-token latency while a 262K-token prompt prefills).
 
 In a mixed step the decode rows wait for the step's prompt chunk, whose attention grows with the
-context already cached (~100 ms a 1K-token chunk at 262K). So when a step would carry decode rows
-and a prompt chunk ending at or past `EngineConfig.background_prefill_tokens`, the engine takes
-that chunk out of the step and runs it as a BACKGROUND PASS:
+context already cached (~100 ms a 1K-token chunk at 262K). So when a step would carry other rows
+(decoding, or short prompts admitted beside it) and a prompt chunk ending at or past
+`EngineConfig.background_prefill_tokens`, the engine takes that chunk out of the step and runs it
+as a BACKGROUND PASS:
   - its layers are launched a few at a time between the foreground steps, from the one engine
     thread (`Qwen3MoeHybrid.forward_layers`), on a stream of its own: on a GPU a stream of a CUDA
     green context holding `background_prefill_sms` SMs, so the decode steps (the default stream,

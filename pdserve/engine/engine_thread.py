@@ -158,7 +158,8 @@ class EngineThread:
             return True
         took = time.perf_counter() - start
         self.on_step(took)
-        self.step_log.record(start, took, self.engine.last_pass, self.engine.scheduler)
+        engine = self.engine
+        self.step_log.record(start, took, engine.last_pass, engine.scheduler, engine.background_host_s)
         compiled = compile_watch.take()  # Triton kernels built in this step (with the watch on)
         if took > SLOW_STEP_S or compiled:
             s = self.engine.scheduler

@@ -59,6 +59,7 @@ class LLMEngine:
         self._ahead: InFlight | None = None
         self._background: BackgroundPass | None = None  # a long prompt's chunk beside the steps
         self._background_stream = None  # made at the first background pass
+        self.background_host_s = 0.0  # host time the last step spent starting, launching, ending one
         self.prefill_rate = PrefillRate()  # measured per step, for the prefix cache's pulls
         # one instance holding both roles: a handed-over sequence decodes on at once, its
         # outputs kept until its decode stream claims it (pdserve.engine.handover_states)
@@ -145,13 +146,18 @@ class LLMEngine:
         if ahead is not None:
             ahead.reserve_tokens()
         scheduled_at = time.perf_counter()
-        scheduled = self._to_background(self.scheduler.schedule())
+        scheduled = self.scheduler.schedule()
+        began = time.perf_counter()
+        scheduled = self._to_background(scheduled)
+        self.background_host_s = time.perf_counter() - began if self._background else 0.0
         launched = self._launch(scheduled, ahead, scheduled_at) if scheduled else None
         if self._background is not None:  # its next layers, while the GPU runs this step
+            began = time.perf_counter()
             if launched is None and ahead is None:
                 self._background.run_to_end()  # nothing else to run: it may take the whole step
             else:
                 self._background.advance()
+            self.background_host_s += time.perf_counter() - began
         outputs = self._finish(ahead, pending=True) if ahead else []
         if launched is not None:
             if self.run_ahead and may_run_ahead(launched.seqs):
@@ -159,14 +165,17 @@ class LLMEngine:
             else:
                 outputs += self._finish(launched)
         if self._background is not None and self._background.done():
+            began = time.perf_counter()
             outputs += self._end_background()
+            self.background_host_s += time.perf_counter() - began
         return outputs
 
     def _to_background(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Take a long prompt chunk out of a step that also decodes, as a background pass
-        (pdserve.engine.background_pass); the rest of the step is returned."""
+        """Take a long prompt chunk out of a step that also runs other sequences (decoding, or
+        short prompts admitted beside it), as a background pass (pdserve.engine.background_pass);
+        the rest of the step is returned."""
         threshold = self.config.background_prefill_tokens
-        if not threshold or self._background is not None or not any(s.num_new_tokens == 1 for s in scheduled):
+        if not threshold or self._background is not None or len(scheduled) < 2:
             return scheduled
         for item in scheduled:
             seq = item.seq

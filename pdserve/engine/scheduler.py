@@ -101,6 +101,20 @@ class Scheduler(HandoverStates):
             (s for s in self.running if not s.in_background),
             key=lambda s: s.num_tokens - s.num_computed_tokens > 1,
         )
+        # a prompt too long to end in this step yields to waiting prompts that end in it: a short
+        # request arriving during a 262K-token prefill starts at once, the long one takes the rest
+        n_decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in order)
+        room = budget - n_decoding
+        long = [s for s in order if self.waiting and s.num_tokens - s.num_computed_tokens > room]
+        budget = self._schedule_running([s for s in order if s not in long], budget, batch)
+        budget = self._admit_waiting(budget, batch, whole_only=bool(long))
+        self._schedule_running(long, budget, batch)
+        return batch
+
+    def _schedule_running(self, order: list[Sequence], budget: int, batch: list[ScheduledSeq]) -> int:
+        """Each of `order` its next tokens (preempting the cheapest to recompute of those not yet
+        given theirs when pages run out); the budget left."""
+        order = list(order)
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
@@ -116,6 +130,11 @@ class Scheduler(HandoverStates):
             batch.append(self._with_saves(seq, seq.num_computed_tokens, n))
             budget -= n
             i += 1
+        return budget
+
+    def _admit_waiting(self, budget: int, batch: list[ScheduledSeq], whole_only: bool) -> int:
+        """Admit waiting sequences in order while the budget, slots and pages allow (`whole_only`:
+        only while each one's prompt ends in this step); the budget left."""
         for seq in list(self.waiting):  # in order, past those whose prefix is still being fetched
             if budget <= 0 or self._num_active() >= self.max_num_seqs:
                 break
@@ -131,9 +150,11 @@ class Scheduler(HandoverStates):
             ):
                 seq.waited_for_sibling = True  # once: it never waits again
                 continue  # a prompt in this pass leaves a checkpoint of what they share
+            start = cached.num_tokens if cached else seq.num_computed_tokens
+            if whole_only and seq.num_tokens - start > budget:
+                break
             if not self._free_slot(keep=cached):
                 break
-            start = cached.num_tokens if cached else seq.num_computed_tokens
             self._plan_checkpoints(seq, start, lookup)
             n = self._chunk(seq, start, budget)
             held = self.prefix_cache.pages_to_share(cached) if cached else len(seq.block_table)
@@ -152,7 +173,7 @@ class Scheduler(HandoverStates):
             self.running.append(seq)
             batch.append(self._with_saves(seq, start, n))
             budget -= n
-        return batch
+        return budget
 
     def _lookup(self, seq: Sequence) -> Lookup | None:
         """What the prefix cache holds of a prompt about to start from scratch (None: no cache,

@@ -3,7 +3,8 @@
 
 Each line: `t` (perf_counter at the step's start, s), `s` (its wall time, s), and what the pass it
 launched ran: `decode` rows, prefill `chunks` and their `tokens`, checkpoint `saves`, and the
-scheduler's `running` / `waiting` counts after it. A step that launched nothing writes no line.
+scheduler's `running` / `waiting` counts after it; with a background pass in flight, `bg_ms`: the
+host time the step spent scheduling and launching it. A step that launched nothing writes no line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ class StepLog:
     def enabled(self) -> bool:
         return self._file is not None
 
-    def record(self, start: float, took: float, last_pass: list[ScheduledSeq], scheduler: Scheduler) -> None:
+    def record(
+        self,
+        start: float,
+        took: float,
+        last_pass: list[ScheduledSeq],
+        scheduler: Scheduler,
+        background_s: float = 0.0,
+    ) -> None:
         """One line for the step that began at `start`, when it launched a pass (`last_pass` is new)."""
         if self._file is None or not last_pass or last_pass is self._last:
             return
@@ -45,6 +53,8 @@ class StepLog:
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
         }
+        if background_s:
+            line["bg_ms"] = round(1000 * background_s, 3)
         try:
             self._file.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk must not stop the engine: the log stops instead
