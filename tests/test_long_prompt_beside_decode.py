@@ -92,13 +92,14 @@ def test_abort_during_a_background_pass_frees_its_memory(tiny_model_dir) -> None
 
 
 @pytest.mark.parametrize("background", [0, 200])
-def test_a_short_request_starts_during_a_long_prefill(tiny_model_dir, background: int) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_short_request_starts_during_a_long_prefill(tiny_model_dir, device: str, background: int) -> None:
     """A short prompt that arrives while a long one is being prefilled in chunks is admitted at
     the next step (the long chunk yields the tokens it needs), not after the whole long prompt;
     both give the tokens they give alone. With a background threshold the long chunks then run
-    as background passes beside it."""
-    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=128, max_num_seqs=4,
-              background_prefill_tokens=background, enable_prefix_caching=False)  # fmt: skip (no hit)
+    as background passes beside it (on the GPU: its prefill beside a green context's pass)."""
+    llm = LLM(str(tiny_model_dir), device=device, dtype="float32", max_num_batched_tokens=128, max_num_seqs=4,
+              background_prefill_tokens=background, enable_prefix_caching=False, num_kv_pages=64)  # fmt: skip
     long_prompt, short = random_prompts((480, 20), seed=13, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     alone = [out.token_ids for out in llm.generate([long_prompt, short], params)]
@@ -106,14 +107,17 @@ def test_a_short_request_starts_during_a_long_prefill(tiny_model_dir, background
     long_id = engine.add_request(long_prompt, params)
     engine.step()  # the long prompt's first chunk
     short_id = engine.add_request(short, params)
-    outputs, steps, first_token_step = {}, 0, None
+    outputs, steps, first_token_step, background_steps = {}, 0, None, 0
     while engine.has_unfinished():
         steps += 1
-        for out in engine.step():
+        outs = engine.step()
+        background_steps += engine._background is not None
+        for out in outs:
             outputs[out.request_id] = out
             if out.request_id == short_id and first_token_step is None:
                 first_token_step = steps
     long_seq_steps = -(-len(long_prompt) // 128)
     assert first_token_step is not None and first_token_step <= 2 < long_seq_steps - 1, first_token_step
+    assert (background_steps > 0) == bool(background)
     assert [outputs[long_id].token_ids, outputs[short_id].token_ids] == alone
     assert_no_leaks(engine)
