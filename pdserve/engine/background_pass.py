@@ -37,6 +37,9 @@ from pdserve.sampling.sampler import Sampler, SamplerOutput
 
 QUEUED_LAYERS = 3  # on a GPU: keep this many layers launched ahead of the background stream
 LAYERS_PER_STEP = 4  # at most this many launched between two foreground steps (their host time)
+# host time a step may spend starting the pass and launching its layers once the step is launched:
+# hidden behind the step's GPU time (a 4-row decode step is ~10 ms on the SMs left to it)
+HOST_S_PER_STEP = 0.005
 DECODE_SMS = 32  # SMs a green context leaves to the decode steps by default
 
 
@@ -92,12 +95,17 @@ class BackgroundPass:
             self._layer_done.pop(0)
         return len(self._layer_done)
 
-    def advance(self) -> None:
-        """Launch the next layers: up to `LAYERS_PER_STEP`, and on a GPU only while fewer than
-        `QUEUED_LAYERS` wait there (the queue stays short, so the host time goes where it pays)."""
+    def advance(self, until: float) -> None:
+        """Launch the next layers: up to `LAYERS_PER_STEP`, on a GPU only while fewer than
+        `QUEUED_LAYERS` wait there (the queue stays short, so the host time goes where it pays),
+        and past the host clock's `until` only while none waits (the stream never idles for it)."""
         for _ in range(LAYERS_PER_STEP):
-            if self._launched_all() or (self.stream is not None and self._queued() >= QUEUED_LAYERS):
+            if self._launched_all():
                 return
+            if self.stream is not None:
+                queued = self._queued()
+                if queued >= QUEUED_LAYERS or (queued and time.perf_counter() >= until):
+                    return
             self._launch_one()
 
     def run_to_end(self) -> None:

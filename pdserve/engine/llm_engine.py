@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from pdserve.config import EngineConfig
-from pdserve.engine.background_pass import BackgroundPass, background_stream
+from pdserve.engine.background_pass import HOST_S_PER_STEP, BackgroundPass, background_stream
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import PrefixCache
@@ -146,18 +146,13 @@ class LLMEngine:
         if ahead is not None:
             ahead.reserve_tokens()
         scheduled_at = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        began = time.perf_counter()
-        scheduled = self._to_background(scheduled)
-        self.background_host_s = time.perf_counter() - began if self._background else 0.0
-        launched = self._launch(scheduled, ahead, scheduled_at) if scheduled else None
-        if self._background is not None:  # its next layers, while the GPU runs this step
-            began = time.perf_counter()
-            if launched is None and ahead is None:
-                self._background.run_to_end()  # nothing else to run: it may take the whole step
-            else:
-                self._background.advance()
-            self.background_host_s += time.perf_counter() - began
+        scheduled, background = self._split_background(self.scheduler.schedule())
+        try:
+            launched = self._launch(scheduled, ahead, scheduled_at) if scheduled else None
+        except Exception:
+            self.scheduler.abandon([background] if background else [])  # its reserved checkpoints
+            raise
+        self._background_beside(background, alone=launched is None and ahead is None)
         outputs = self._finish(ahead, pending=True) if ahead else []
         if launched is not None:
             if self.run_ahead and may_run_ahead(launched.seqs):
@@ -165,43 +160,56 @@ class LLMEngine:
             else:
                 outputs += self._finish(launched)
         if self._background is not None and self._background.done():
-            began = time.perf_counter()
             outputs += self._end_background()
-            self.background_host_s += time.perf_counter() - began
         return outputs
 
-    def _to_background(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Take a long prompt chunk out of a step that also runs other sequences (decoding, or
-        short prompts admitted beside it), as a background pass (pdserve.engine.background_pass);
-        the rest of the step is returned."""
+    def _split_background(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[ScheduledSeq], ScheduledSeq | None]:
+        """(the step, a long prompt chunk taken out of it to run as a background pass,
+        pdserve.engine.background_pass): one ending at or past the threshold, in a step that also
+        runs other sequences (decoding, or short prompts admitted beside it)."""
         threshold = self.config.background_prefill_tokens
         if not threshold or self._background is not None or len(scheduled) < 2:
-            return scheduled
+            return scheduled, None
         for item in scheduled:
             seq = item.seq
             if item.num_new_tokens > 1 and seq.num_computed_tokens + item.num_new_tokens >= threshold:
                 if seq.prompt_logprobs is not None:  # scored in its passes: kept in the foreground
                     continue
-                if self._background_stream is None:
-                    self._background_stream = background_stream(
-                        self.runner.device, self.config.background_prefill_sms
-                    )
-                self._background = BackgroundPass(self.runner, self.sampler, item, self._background_stream)
-                return [s for s in scheduled if s is not item]
-        return scheduled
+                return [s for s in scheduled if s is not item], item
+        return scheduled, None
+
+    def _background_beside(self, item: ScheduledSeq | None, alone: bool) -> None:
+        """While the GPU runs the step just launched: start the background pass of `item` (its
+        batch built now, not before the step's launch), and launch its next layers (all of them
+        when the step launched nothing: `alone`)."""
+        began, self.background_host_s = time.perf_counter(), 0.0
+        if item is not None:
+            if self._background_stream is None:
+                sms = self.config.background_prefill_sms
+                self._background_stream = background_stream(self.runner.device, sms)
+            self._background = BackgroundPass(self.runner, self.sampler, item, self._background_stream)
+        if self._background is None:
+            return
+        if alone:
+            self._background.run_to_end()  # nothing else to run: it may take the whole step
+        else:
+            self._background.advance(until=began + HOST_S_PER_STEP)
+        self.background_host_s = time.perf_counter() - began
 
     def _end_background(self) -> list[RequestOutput]:
         """The background pass has run: its chunk counts as computed, its checkpoints commit,
         and the first token of a prompt it ended is taken."""
-        done, self._background = self._background, None
+        began, (done, self._background) = time.perf_counter(), (self._background, None)
         item, seq = done.item, done.seq
         seq.in_background = False
         seq.num_computed_tokens += item.num_new_tokens
         self.scheduler.reached_checkpoint(item)
-        self.prefill_rate.measured(item.num_new_tokens, done.started, time.perf_counter())
-        if done.sampled is None:
-            return []
-        return self.postprocess([seq], done.sampled, host=done.host)
+        self.prefill_rate.measured(item.num_new_tokens, done.started, began)
+        outputs = [] if done.sampled is None else self.postprocess([seq], done.sampled, host=done.host)
+        self.background_host_s += time.perf_counter() - began
+        return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None, scheduled_at: float) -> InFlight:
         self.last_pass = scheduled  # what a slow step ran (EngineThread's warning names it)
