@@ -1,12 +1,14 @@
 """`pdserve bench-long`: long prompts against a running server while short streams decode beside them.
 
-`--streams` short requests stream tokens for the whole run (each one sent again when it ends).
+`--streams` short requests stream tokens for the whole run (each one sent again when it ends;
+their first requests ask for 1/N, 2/N, ... of `--stream-tokens`, so they do not end together).
 After `--baseline-s` seconds of them alone, each `--long` prompt (random token ids on
 /v1/completions) is sent in turn, waiting for its answer before the next. Reports each long
 prompt's TTFT (and the prefill rate it implies), and the short streams' inter-token latency
 (p50 / p99) in the baseline window and while each long prompt was prefilling (from its send to
-its first token): the figures issue 12 asks for. Pure HTTP client: runs against any server that
-takes token-id prompts.
+its first token): the figures issue 12 asks for; and the TTFT of the short requests sent during
+that window (a short request must not wait for a long prefill). Pure HTTP client: runs against
+any server that takes token-id prompts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class StreamLog:
     """Every text chunk's arrival time of the short streams, per request (so gaps never span two)."""
 
     requests: list[list[float]] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)  # when each request was sent
     errors: list[str] = field(default_factory=list)
 
     def gaps_ending_in(self, start: float, end: float) -> list[float]:
@@ -40,18 +43,27 @@ class StreamLog:
             if start <= b <= end
         ]
 
+    def first_token_waits(self, start: float, end: float) -> list[float]:
+        """TTFT of each request sent in [start, end) that got a token."""
+        return [
+            times[0] - sent
+            for sent, times in zip(self.sent, self.requests, strict=True)
+            if times and start <= sent < end
+        ]
+
 
 async def short_stream(
     client: httpx.AsyncClient, args: argparse.Namespace, seed: int, log: StreamLog
 ) -> None:
     rng = random.Random(seed)
+    tokens = max(1, args.stream_tokens * (seed + 1) // args.streams)  # staggered ends
     while True:  # until cancelled
         prompt = [rng.randrange(1000, 100_000) for _ in range(args.stream_prompt_len)]
         arrivals: list[float] = []
         log.requests.append(arrivals)
-        done = await timed_request(
-            client, args.url, COMPLETIONS, args.model, prompt, args.stream_tokens, arrivals
-        )
+        log.sent.append(time.perf_counter())
+        done = await timed_request(client, args.url, COMPLETIONS, args.model, prompt, tokens, arrivals)
+        tokens = args.stream_tokens
         if isinstance(done, RequestFailure):
             log.errors.append(done.error)
             await asyncio.sleep(1.0)
@@ -92,7 +104,11 @@ async def run_bench(args: argparse.Namespace) -> dict:
         longs = []
         for length in args.long:
             result = await long_request(client, args, length)
-            result |= itl_figures(log.gaps_ending_in(result.pop("sent"), result.pop("first_token")))
+            window = result.pop("sent"), result.pop("first_token")
+            result |= itl_figures(log.gaps_ending_in(*window))
+            waits = log.first_token_waits(*window)
+            result["stream_requests_sent"] = len(waits)
+            result["stream_ttft_max_ms"] = 1000 * max(waits, default=0.0)
             result["prefill_tok_s"] = length / result["ttft_s"]
             result["itl_p99_over_baseline_p50"] = result["itl_p99_ms"] / baseline["itl_p50_ms"]
             longs.append(result)
@@ -110,7 +126,8 @@ def report_line(r: dict) -> str:
     return (
         f"{r['prompt_tokens']:>8} tokens: TTFT {r['ttft_s']:6.2f} s ({r['prefill_tok_s']:,.0f} tok/s)  "
         f"streams' ITL p50 {r['itl_p50_ms']:.1f} / p99 {r['itl_p99_ms']:.1f} ms "
-        f"({r['itl_p99_over_baseline_p50']:.1f}x the baseline p50, {r['gaps']} gaps)"
+        f"({r['itl_p99_over_baseline_p50']:.1f}x the baseline p50, {r['gaps']} gaps); "
+        f"{r['stream_requests_sent']} short ones sent meanwhile, TTFT max {r['stream_ttft_max_ms']:.0f} ms"
     )
 
 

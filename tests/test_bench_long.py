@@ -20,6 +20,12 @@ def test_gaps_are_counted_in_the_window_they_end_in() -> None:
     assert log.gaps_ending_in(4.5, 6.0) == [1.5]  # never a gap from one request to the next
 
 
+def test_first_token_waits_are_those_of_requests_sent_in_the_window() -> None:
+    log = StreamLog(requests=[[1.0, 2.0], [3.5, 5.0], []], sent=[0.5, 3.0, 3.2])
+    assert log.first_token_waits(0.0, 1.0) == [0.5]
+    assert log.first_token_waits(1.0, 4.0) == [0.5]  # the one sent at 3.2 has no token yet
+
+
 def test_long_prompts_beside_short_streams(server: str) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -34,3 +40,4 @@ def test_long_prompts_beside_short_streams(server: str) -> None:
     for r in result["long"]:
         assert r["error"] is None and 0 < r["ttft_s"] < 30
         assert r["prefill_tok_s"] == r["prompt_tokens"] / r["ttft_s"]
+        assert {"stream_ttft_max_ms", "stream_requests_sent"} <= r.keys()
