@@ -46,7 +46,7 @@ def test_long_prompt_chunked_beside_decoding_requests(tiny_model_dir, tmp_path, 
             for out in engine.step():
                 outputs[out.request_id] = out
                 tokens_during_prefill += prefilling and out.request_id in short_ids
-                beside_background += engine._background is not None and out.request_id in short_ids
+                beside_background += engine.background.current is not None and out.request_id in short_ids
         assert tokens_during_prefill >= 10, "the short requests waited for the long prefill"
         assert (beside_background >= 10) == bool(background), (
             f"{beside_background} tokens beside a background pass"
@@ -79,11 +79,11 @@ def test_abort_during_a_background_pass_frees_its_memory(tiny_model_dir) -> None
     long_id = engine.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=4))
     for _ in range(50):
         engine.step()
-        if engine._background is not None:
+        if engine.background.current is not None:
             break
-    assert engine._background is not None and engine._background.seq.request_id == long_id
+    assert engine.background.current is not None and engine.background.current.seq.request_id == long_id
     assert engine.abort(long_id)
-    assert engine._background is None
+    assert engine.background.current is None
     outputs = {}
     while engine.has_unfinished():
         outputs.update((out.request_id, out) for out in engine.step())
@@ -111,7 +111,7 @@ def test_a_short_request_starts_during_a_long_prefill(tiny_model_dir, device: st
     while engine.has_unfinished():
         steps += 1
         outs = engine.step()
-        background_steps += engine._background is not None
+        background_steps += engine.background.current is not None
         for out in outs:
             outputs[out.request_id] = out
             if out.request_id == short_id and first_token_step is None:

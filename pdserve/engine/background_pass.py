@@ -146,3 +146,66 @@ class BackgroundPass:
         if self._done is not None:
             return self._done.query()
         return self._finished_on_host
+
+
+class BackgroundLane:
+    """The engine's background passes, one at a time: which chunk of a step goes there (`split`),
+    starting and pacing it while the rest of the step runs (`beside`), the pass the GPU has
+    finished (`take_done`), and an abort's wait for it (`abandon`)."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, threshold: int, sms: int | None) -> None:
+        self.runner, self.sampler = runner, sampler
+        self.threshold = threshold  # a chunk ending at or past it goes to the background (0: never)
+        self.sms = sms
+        self.current: BackgroundPass | None = None
+        self.host_s = 0.0  # host time the last step spent starting, launching and ending one
+        self._stream: torch.cuda.Stream | None = None  # made at the first pass
+
+    def split(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], ScheduledSeq | None]:
+        """(the step, a long prompt chunk taken out of it for a background pass): one ending at or
+        past the threshold, in a step that also runs other sequences (decoding, or short prompts
+        admitted beside it), while no pass runs."""
+        if not self.threshold or self.current is not None or len(scheduled) < 2:
+            return scheduled, None
+        for item in scheduled:
+            seq = item.seq
+            if item.num_new_tokens > 1 and seq.num_computed_tokens + item.num_new_tokens >= self.threshold:
+                if seq.prompt_logprobs is not None:  # scored in its passes: kept in the foreground
+                    continue
+                return [s for s in scheduled if s is not item], item
+        return scheduled, None
+
+    def beside(self, item: ScheduledSeq | None, alone: bool) -> None:
+        """While the GPU runs the step just launched: start `item`'s pass (its batch built now,
+        not before the step's launch) and launch the next layers (all of them when the step
+        launched nothing: `alone`)."""
+        began, self.host_s = time.perf_counter(), 0.0
+        if item is not None:
+            if self._stream is None:
+                self._stream = background_stream(self.runner.device, self.sms)
+            self.current = BackgroundPass(self.runner, self.sampler, item, self._stream)
+        if self.current is None:
+            return
+        if alone:
+            self.current.run_to_end()  # nothing else to run: it may take the whole step
+        else:
+            self.current.advance(until=began + HOST_S_PER_STEP)
+        self.host_s = time.perf_counter() - began
+
+    def take_done(self) -> BackgroundPass | None:
+        """The pass, once the GPU has run all of it (it is no longer current then)."""
+        if self.current is None or not self.current.done():
+            return None
+        done, self.current = self.current, None
+        done.seq.in_background = False
+        return done
+
+    def abandon(self, seq: Sequence) -> ScheduledSeq | None:
+        """`seq`'s pass, waited for (its pages and slot are in use on the GPU until it ends) and
+        dropped: its chunk, whose reserved checkpoints the caller frees; None if it has none."""
+        if self.current is None or self.current.seq is not seq:
+            return None
+        self.current.run_to_end()
+        item, self.current = self.current.item, None
+        seq.in_background = False
+        return item

@@ -159,7 +159,7 @@ class EngineThread:
         took = time.perf_counter() - start
         self.on_step(took)
         engine = self.engine
-        self.step_log.record(start, took, engine.last_pass, engine.scheduler, engine.background_host_s)
+        self.step_log.record(start, took, engine.last_pass, engine.scheduler, engine.background.host_s)
         compiled = compile_watch.take()  # Triton kernels built in this step (with the watch on)
         if took > SLOW_STEP_S or compiled:
             s = self.engine.scheduler

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from pdserve.config import EngineConfig
-from pdserve.engine.background_pass import HOST_S_PER_STEP, BackgroundPass, background_stream
+from pdserve.engine.background_pass import BackgroundLane, BackgroundPass
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.prefix_cache import PrefixCache
@@ -57,9 +57,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.run_ahead = True  # pdserve.engine.run_ahead; False: finish each step before the next
         self._ahead: InFlight | None = None
-        self._background: BackgroundPass | None = None  # a long prompt's chunk beside the steps
-        self._background_stream = None  # made at the first background pass
-        self.background_host_s = 0.0  # host time the last step spent starting, launching, ending one
+        self.background = BackgroundLane(  # a long prompt's chunks beside the steps
+            self.runner, self.sampler, config.background_prefill_tokens, config.background_prefill_sms
+        )
         self.prefill_rate = PrefillRate()  # measured per step, for the prefix cache's pulls
         # one instance holding both roles: a handed-over sequence decodes on at once, its
         # outputs kept until its decode stream claims it (pdserve.engine.handover_states)
@@ -125,17 +125,16 @@ class LLMEngine:
         """Stop a request wherever it is (queued, running, receiving, held) and free its memory;
         False if there was none."""
         seq = self.requests.pop(request_id, None)
-        if seq is not None and self._background is not None and self._background.seq is seq:
-            self._background.run_to_end()  # its pages and slot are in use on the GPU until then
-            self.scheduler.abandon([self._background.item])
-            self._background, seq.in_background = None, False
+        background = self.background.abandon(seq) if seq is not None else None
+        if background is not None:
+            self.scheduler.abandon([background])  # the checkpoints its pass reserved
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq)
             return True
         return self.scheduler.release_lease(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._ahead is not None or self._background is not None
+        return self.scheduler.has_work() or self._ahead is not None or self.background.current is not None
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
@@ -146,69 +145,33 @@ class LLMEngine:
         if ahead is not None:
             ahead.reserve_tokens()
         scheduled_at = time.perf_counter()
-        scheduled, background = self._split_background(self.scheduler.schedule())
+        scheduled, background = self.background.split(self.scheduler.schedule())
         try:
             launched = self._launch(scheduled, ahead, scheduled_at) if scheduled else None
         except Exception:
             self.scheduler.abandon([background] if background else [])  # its reserved checkpoints
             raise
-        self._background_beside(background, alone=launched is None and ahead is None)
+        self.background.beside(background, alone=launched is None and ahead is None)
         outputs = self._finish(ahead, pending=True) if ahead else []
         if launched is not None:
             if self.run_ahead and may_run_ahead(launched.seqs):
                 self._ahead = launched
             else:
                 outputs += self._finish(launched)
-        if self._background is not None and self._background.done():
-            outputs += self._end_background()
+        done = self.background.take_done()
+        if done is not None:
+            outputs += self._end_background(done)
         return outputs
 
-    def _split_background(
-        self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], ScheduledSeq | None]:
-        """(the step, a long prompt chunk taken out of it to run as a background pass,
-        pdserve.engine.background_pass): one ending at or past the threshold, in a step that also
-        runs other sequences (decoding, or short prompts admitted beside it)."""
-        threshold = self.config.background_prefill_tokens
-        if not threshold or self._background is not None or len(scheduled) < 2:
-            return scheduled, None
-        for item in scheduled:
-            seq = item.seq
-            if item.num_new_tokens > 1 and seq.num_computed_tokens + item.num_new_tokens >= threshold:
-                if seq.prompt_logprobs is not None:  # scored in its passes: kept in the foreground
-                    continue
-                return [s for s in scheduled if s is not item], item
-        return scheduled, None
-
-    def _background_beside(self, item: ScheduledSeq | None, alone: bool) -> None:
-        """While the GPU runs the step just launched: start the background pass of `item` (its
-        batch built now, not before the step's launch), and launch its next layers (all of them
-        when the step launched nothing: `alone`)."""
-        began, self.background_host_s = time.perf_counter(), 0.0
-        if item is not None:
-            if self._background_stream is None:
-                sms = self.config.background_prefill_sms
-                self._background_stream = background_stream(self.runner.device, sms)
-            self._background = BackgroundPass(self.runner, self.sampler, item, self._background_stream)
-        if self._background is None:
-            return
-        if alone:
-            self._background.run_to_end()  # nothing else to run: it may take the whole step
-        else:
-            self._background.advance(until=began + HOST_S_PER_STEP)
-        self.background_host_s = time.perf_counter() - began
-
-    def _end_background(self) -> list[RequestOutput]:
-        """The background pass has run: its chunk counts as computed, its checkpoints commit,
+    def _end_background(self, done: BackgroundPass) -> list[RequestOutput]:
+        """A background pass has run: its chunk counts as computed, its checkpoints commit,
         and the first token of a prompt it ended is taken."""
-        began, (done, self._background) = time.perf_counter(), (self._background, None)
-        item, seq = done.item, done.seq
-        seq.in_background = False
+        began, item, seq = time.perf_counter(), done.item, done.seq
         seq.num_computed_tokens += item.num_new_tokens
         self.scheduler.reached_checkpoint(item)
         self.prefill_rate.measured(item.num_new_tokens, done.started, began)
         outputs = [] if done.sampled is None else self.postprocess([seq], done.sampled, host=done.host)
-        self.background_host_s += time.perf_counter() - began
+        self.background.host_s += time.perf_counter() - began
         return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None, scheduled_at: float) -> InFlight:
