@@ -90,3 +90,24 @@ def test_a_step_held_past_the_limit_is_reported_stuck(
     finally:
         release.set()
         thread.stop()
+
+
+def test_step_log_gives_the_background_pass_host_time(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A step beside a background pass logs `bg_ms`, the host time it spent on the pass; the
+    steps before the long prompt's chunks reach the threshold log none."""
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(step_log.ENV, str(path))
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=128, background_prefill_tokens=200)
+    engine = llm.engine
+    thread = EngineThread(engine, on_outputs=lambda outputs: None, on_error=lambda ids, why: None)
+    short, long_prompt = random_prompts((12, 480), seed=53, vocab=1000)
+    engine.add_request(short, SamplingParams(max_tokens=30, ignore_eos=True))
+    thread._safe_step()
+    engine.add_request(long_prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        thread._safe_step()
+    thread.step_log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert "bg_ms" not in lines[0] and any(line.get("bg_ms", 0) > 0 for line in lines)

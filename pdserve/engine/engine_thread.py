@@ -158,8 +158,9 @@ class EngineThread:
             return True
         took = time.perf_counter() - start
         self.on_step(took)
-        engine = self.engine
-        self.step_log.record(start, took, engine.last_pass, engine.scheduler, engine.background.host_s)
+        if self.step_log.enabled:
+            engine = self.engine
+            self.step_log.record(start, took, engine.last_pass, engine.scheduler, engine.background.host_s)
         compiled = compile_watch.take()  # Triton kernels built in this step (with the watch on)
         if took > SLOW_STEP_S or compiled:
             s = self.engine.scheduler
