@@ -142,14 +142,14 @@ class PrefillBursts:
         many tokens the prompt adds to its burst's work: those past that holder's prefix (all
         without one; none with one live instance, whose bursts are filled by their window)."""
         prefill, decode = self.instances.live["prefill"], self.instances.live["decode"]
-        info = next(
-            (i.extra for i in [*prefill.values(), *decode.values()] if i.extra.get("prefix_block_size")), None
-        )
         live, n = set(prefill) | set(decode), len(req.prompt_token_ids)
         if len(live) < 2:  # one instance (one GPU: both roles under one id): nothing to choose or
             # pull, so no lookup (~1 ms of the event loop for a 4.5K-token prompt, 32 at once in a
             # chat turn); its bursts only batch the wire to one engine that packs its own passes
             return None, None, None, 0
+        info = next(
+            (i.extra for i in [*prefill.values(), *decode.values()] if i.extra.get("prefix_block_size")), None
+        )
         if info is None or n < 2:
             return None, None, None, n
         try:

@@ -103,9 +103,10 @@ class Scheduler(HandoverStates):
         )
         # a prompt too long to end in this step yields to waiting prompts that end in it: a short
         # request arriving during a 262K-token prefill starts at once, the long one takes the rest
-        n_decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in order)
-        room = budget - n_decoding
-        long = [s for s in order if self.waiting and s.num_tokens - s.num_computed_tokens > room]
+        long = []
+        if self.waiting:  # what the decoding rows leave: one token each
+            room = budget - sum(s.num_tokens - s.num_computed_tokens == 1 for s in order)
+            long = [s for s in order if s.num_tokens - s.num_computed_tokens > room]
         budget = self._schedule_running([s for s in order if s not in long], budget, batch)
         budget = self._admit_waiting(budget, batch, whole_only=bool(long))
         self._schedule_running(long, budget, batch)
@@ -113,8 +114,7 @@ class Scheduler(HandoverStates):
 
     def _schedule_running(self, order: list[Sequence], budget: int, batch: list[ScheduledSeq]) -> int:
         """Each of `order` its next tokens (preempting the cheapest to recompute of those not yet
-        given theirs when pages run out); the budget left."""
-        order = list(order)
+        given theirs when pages run out; `order` is the caller's to give up); the budget left."""
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]

@@ -4,7 +4,7 @@
 Each line: `t` (perf_counter at the step's start, s), `s` (its wall time, s), and what the pass it
 launched ran: `decode` rows, prefill `chunks` and their `tokens`, checkpoint `saves`, and the
 scheduler's `running` / `waiting` counts after it; with a background pass in flight, `bg_ms`: the
-host time the step spent scheduling and launching it. A step that launched nothing writes no line.
+host time the step spent starting, launching and ending it. A step that launched nothing writes no line.
 """
 
 from __future__ import annotations
