@@ -187,7 +187,12 @@ class RpcServer:
                 # aclosing: a cancelled call closes the handler's generator right away
                 async with contextlib.aclosing(handler(request)) as items:
                     async for item in items:
-                        await context.write(item)
+                        try:
+                            await context.write(item)
+                        except Exception as e:  # the client left as we wrote: the call is gone,
+                            # and aborting it would fail too (grpc logs that as an ERROR)
+                            log.debug("rpc %s: write failed, the call is over: %s", method, e)
+                            return
             except Exception as e:
                 await _abort(context, method, e)
 
