@@ -102,6 +102,34 @@ def sweep(tokens: int) -> list[tuple[float, str]]:
     return rows
 
 
+def sweep_down(tokens: int) -> None:
+    """The down GEMM's own tiles at a prefill size (gate/up at its default, whose BLOCK_M both keep):
+    its K is the expert width (512), so its tiles may want to differ from gate/up's (K 2,048)."""
+    torch.manual_seed(tokens)
+    w13, w2 = rand(E, 2 * INTER, HIDDEN) * 0.02, rand(E, HIDDEN, INTER) * 0.04
+    x = rand(tokens, HIDDEN)
+    weights, ids = torch.randn(tokens, E, device="cuda").softmax(-1).topk(TOPK, dim=-1)
+    weights = weights.to(torch.bfloat16)
+    default = cuda_moe._block_config(tokens * TOPK, E)
+    want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
+    scale = want.float().abs().max().item()
+    rows = []
+    for n, k, w, st in itertools.product((128, 256), (64, 128), (4, 8), (3, 4)):
+        cfg = dict(BLOCK_M=default["BLOCK_M"], BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+        run = lambda c=cfg: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=default, cfg_down=c)  # noqa: E731
+        try:
+            err = (run().float() - want.float()).abs().max().item() / scale
+            ms = do_bench(run, rep=50)
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
+            print(f"  T={tokens} down {_name(cfg)}: {type(e).__name__}")
+            continue
+        rows.append((ms, f"down {_name(cfg)}{' (default)' if cfg == default else ''}  err {err:.1e}"))
+    rows.sort()
+    print(f"\nT={tokens}, down tile swept (gate/up {_name(default)}; both GEMMs + alignment timed):")
+    for ms, name in rows[:10]:
+        print(f"  {ms * 1e3:9.1f} us  {name}")
+
+
 def _name(cfg: dict[str, int]) -> str:
     return "m{BLOCK_M} n{BLOCK_N} k{BLOCK_K} w{num_warps} s{num_stages}".format(**cfg)
 
@@ -109,8 +137,13 @@ def _name(cfg: dict[str, int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokens", nargs="*", type=int, default=[1024, 4096, 8192, 16384])
-    for tokens in parser.parse_args().tokens:
-        sweep_decode(tokens) if tokens <= 64 else sweep(tokens)
+    parser.add_argument("--down", action="store_true", help="sweep the down GEMM's tile alone")
+    args = parser.parse_args()
+    for tokens in args.tokens:
+        if tokens <= 64:
+            sweep_decode(tokens)
+        else:
+            sweep_down(tokens) if args.down else sweep(tokens)
 
 
 if __name__ == "__main__":
