@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
 
 import torch
 from triton.testing import do_bench
@@ -51,18 +52,14 @@ def sweep_decode(tokens: int) -> None:
     weights = torch.cat([weights, torch.full((tokens, 1), 0.5, device="cuda")], dim=1).to(torch.bfloat16)
     default = cuda_moe._block_config(tokens * (TOPK + 1), E + 1)
     want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, reduce=False)
-    scale = want.float().abs().max().item()
     for role in ("gate_up", "down"):
         rows = []
         for cfg in [default, *DECODE_TILES]:
             kw = {"cfg": cfg} if role == "gate_up" else {"cfg": default, "cfg_down": cfg}
             run = lambda kw=kw: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, reduce=False, **kw)  # noqa: E731
-            try:
-                err = (run().float() - want.float()).abs().max().item() / scale
-                ms = do_bench(run, rep=50)
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
-                print(f"  T={tokens} {role} {_name(cfg)}: {type(e).__name__}")
+            if (timed := _timed(run, want, f"T={tokens} {role} {_name(cfg)}")) is None:
                 continue
+            ms, err = timed
             rows.append((ms, f"{_name(cfg)}{' (default)' if cfg is default else ''}  err {err:.1e}"))
         rows.sort()
         print(f"\nT={tokens} decode, {role} tile swept (both GEMMs + alignment timed):")
@@ -78,18 +75,14 @@ def sweep(tokens: int) -> list[tuple[float, str]]:
     weights = weights.to(torch.bfloat16)
     flops = tokens * TOPK * 3 * HIDDEN * INTER * 2
     want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
-    scale = want.float().abs().max().item()
     rows = []
     default = cuda_moe._block_config(tokens * TOPK, E)
     for cfg in [None, *TILES]:
         name = "default " + _name(default) if cfg is None else _name(cfg)
-        try:
-            got = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=cfg)
-            err = (got.float() - want.float()).abs().max().item() / scale
-            ms = do_bench(lambda c=cfg: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=c), rep=50)
-        except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
-            print(f"  T={tokens} {name}: {type(e).__name__}")
+        run = lambda c=cfg: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=c)  # noqa: E731
+        if (timed := _timed(run, want, f"T={tokens} {name}")) is None:
             continue
+        ms, err = timed
         rows.append((ms, f"{name}  err {err:.1e}"))
     ms = do_bench(lambda: cuda_moe.fused_moe_grouped_mm(x, w13, w2, weights, ids), rep=50)
     rows.append((ms, "torch._grouped_mm (sorted rows)"))
@@ -112,22 +105,29 @@ def sweep_down(tokens: int) -> None:
     weights = weights.to(torch.bfloat16)
     default = cuda_moe._block_config(tokens * TOPK, E)
     want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
-    scale = want.float().abs().max().item()
     rows = []
     for n, k, w, st in itertools.product((128, 256), (64, 128), (4, 8), (3, 4)):
         cfg = dict(BLOCK_M=default["BLOCK_M"], BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
         run = lambda c=cfg: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=default, cfg_down=c)  # noqa: E731
-        try:
-            err = (run().float() - want.float()).abs().max().item() / scale
-            ms = do_bench(run, rep=50)
-        except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
-            print(f"  T={tokens} down {_name(cfg)}: {type(e).__name__}")
+        if (timed := _timed(run, want, f"T={tokens} down {_name(cfg)}")) is None:
             continue
+        ms, err = timed
         rows.append((ms, f"down {_name(cfg)}{' (default)' if cfg == default else ''}  err {err:.1e}"))
     rows.sort()
     print(f"\nT={tokens}, down tile swept (gate/up {_name(default)}; both GEMMs + alignment timed):")
     for ms, name in rows[:10]:
         print(f"  {ms * 1e3:9.1f} us  {name}")
+
+
+def _timed(run: Callable[[], torch.Tensor], want: torch.Tensor, label: str) -> tuple[float, float] | None:
+    """(ms, max error relative to want's largest value) of one tile's run; None, said, for a tile
+    that does not compile (shared memory)."""
+    try:
+        err = (run().float() - want.float()).abs().max().item() / want.float().abs().max().item()
+        return do_bench(run, rep=50), err
+    except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
+        print(f"  {label}: {type(e).__name__}")
+        return None
 
 
 def _name(cfg: dict[str, int]) -> str:

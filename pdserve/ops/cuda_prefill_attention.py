@@ -28,13 +28,6 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _dot_acc(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _fold_keys(
     q, m, l, acc, block, end, positions, n, kv_head,
     k_ptr, v_ptr, table_ptr, stride_kp, stride_ks, stride_kh, stride_table, qk_scale,
@@ -55,18 +48,18 @@ def _fold_keys(
         k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
     else:
         k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
-    s = _dot(q, tl.trans(k), IEEE)  # unscaled: the scale is folded into the exponent's FMA
+    s = _dot(q, tl.trans(k), IEEE) * qk_scale
     if MASKED:
         s = tl.where(offs_n[None, :] <= positions[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m - m_new)
     l = l * alpha + tl.sum(p, axis=1)
     if MASKED:
         v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
     else:
         v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
-    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)  # accumulates in place
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l, acc
 
 
