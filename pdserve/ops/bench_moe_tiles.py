@@ -22,11 +22,14 @@ from pdserve.ops import cuda_moe
 from pdserve.ops.bench_ops import BF16_FLOPS, HIDDEN, INTER, TOPK, E, rand
 
 TILES = [
-    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-    for m, n, k, w, s in [
-        *itertools.product((64, 128), (64, 128), (64,), (4, 8), (3, 4)),
-        (64, 64, 128, 4, 3),
-        (64, 128, 128, 8, 3),
+    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
+    for m, n, k, g, w, s in [
+        *itertools.product((64, 128), (64, 128), (64,), (0,), (4, 8), (3, 4)),
+        (64, 64, 128, 0, 4, 3),
+        (64, 128, 128, 0, 8, 3),
+        # launch order: GROUP_M row blocks across every column block before the next ones
+        *itertools.product((128,), (128,), (64,), (1, 4, 8, 16, 32), (8,), (3, 4)),
+        *itertools.product((64,), (64, 128), (64,), (4, 16), (4,), (3,)),
     ]
 ]
 
@@ -34,7 +37,7 @@ TILES = [
 # decode steps (4-64 tokens: one or two rows an expert): BLOCK_M 16, weight-read bound; each GEMM's
 # tile swept with the other's at its default
 DECODE_TILES = [
-    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=0, num_warps=w, num_stages=s)
     for n, k, w, s in [
         *itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4)),
         (64, 128, 2, 3), (64, 128, 8, 3), (32, 256, 2, 4), (128, 128, 8, 4),
@@ -106,8 +109,8 @@ def sweep_down(tokens: int) -> None:
     default = cuda_moe._block_config(tokens * TOPK, E)
     want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
     rows = []
-    for n, k, w, st in itertools.product((128, 256), (64, 128), (4, 8), (3, 4)):
-        cfg = dict(BLOCK_M=default["BLOCK_M"], BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+    for n, k, g, w, st in itertools.product((128, 256), (64, 128), (0, 4, 16), (8,), (3, 4)):
+        cfg = dict(BLOCK_M=default["BLOCK_M"], BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=st)
         run = lambda c=cfg: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=default, cfg_down=c)  # noqa: E731
         if (timed := _timed(run, want, f"T={tokens} down {_name(cfg)}")) is None:
             continue
@@ -131,7 +134,7 @@ def _timed(run: Callable[[], torch.Tensor], want: torch.Tensor, label: str) -> t
 
 
 def _name(cfg: dict[str, int]) -> str:
-    return "m{BLOCK_M} n{BLOCK_N} k{BLOCK_K} w{num_warps} s{num_stages}".format(**cfg)
+    return "m{BLOCK_M} n{BLOCK_N} k{BLOCK_K} g{GROUP_M} w{num_warps} s{num_stages}".format(**cfg)
 
 
 def main() -> None:

@@ -22,18 +22,30 @@ from pdserve.ops.cuda_route_align import ROUTE_ALIGN_TOKENS, route_align
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, pair_ptr, ids_ptr, weight_ptr,
-    N, K, stride_am, stride_we, stride_wn, stride_cm, top_k,
+    N, K, stride_am, stride_we, stride_wn, stride_cm, top_k, num_blocks,
     GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One block of BLOCK_M padded rows (all one expert's: the expert of its first pair; a block whose
     first row is padding is unused) x BLOCK_N output columns.
 
     GATE_UP: rows gather x[pair // top_k]; out = silu(x W_gate^T) * (x W_up^T), stored by padded row.
     else: rows read the intermediate by padded row; out = weight[pair] * (h W_down^T), stored by pair.
+
+    Launch order (a 1-D grid): GROUP_M 0 runs every row block of one column block before the next
+    column block; GROUP_M g runs g row blocks across all column blocks before the next g, so their
+    rows (and their experts' weights) are read from memory once and then from L2.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    if GROUP_M == 0:
+        pid_m = pid % num_blocks
+        pid_n = pid // num_blocks
+    else:
+        first_m = pid // (GROUP_M * num_n) * GROUP_M
+        in_group = tl.minimum(num_blocks - first_m, GROUP_M)
+        pid_m = first_m + pid % (GROUP_M * num_n) % in_group
+        pid_n = pid % (GROUP_M * num_n) // in_group
     first = tl.load(pair_ptr + pid_m * BLOCK_M)
     if first < 0:
         return
@@ -84,10 +96,11 @@ def _moe_gemm_kernel(
 def _block_config(num_pairs: int, num_experts: int) -> dict[str, int]:
     """Tile sizes: small row blocks when experts get a few rows each (decode), large ones in prefill."""
     if num_pairs <= 4 * num_experts:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-    if num_pairs >= 128 * num_experts:  # compute-bound: 4,096 tokens -11%, 16,384 -19% (H200)
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=0, num_warps=4, num_stages=3)
+    if num_pairs >= 128 * num_experts:  # compute-bound: 4,096 tokens -11%, 16,384 -19% (H200);
+        # grouped launch order: 8,192 tokens 1.65 -> 1.36 ms, 16,384 2.87 -> 2.49 ms (H100)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=0, num_warps=4, num_stages=3)
 
 
 def pairs_by_sort(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
@@ -144,16 +157,17 @@ def fused_moe_triton(
     weights = topk_weights.contiguous().flatten()
     ieee = x.dtype == torch.float32
     hidden_act = torch.empty(pair_of_row.shape[0], inter, dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    _moe_gemm_kernel[(num_blocks * triton.cdiv(inter, block_n),)](
         x, w13, hidden_act, pair_of_row, ids, weights,
-        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), hidden_act.stride(0), top_k,
-        GATE_UP=True, IEEE=ieee, **cfg,
+        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), hidden_act.stride(0), top_k, num_blocks,
+        GATE_UP=True, IEEE=ieee, **{"GROUP_M": 0, **cfg},
     )  # fmt: skip
     per_pair = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(num_blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))](
+    _moe_gemm_kernel[(num_blocks * triton.cdiv(hidden, cfg_down["BLOCK_N"]),)](
         hidden_act, w2, per_pair, pair_of_row, ids, weights,
         hidden, inter, hidden_act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), top_k,
-        GATE_UP=False, IEEE=ieee, **cfg_down,
+        num_blocks,
+        GATE_UP=False, IEEE=ieee, **{"GROUP_M": 0, **cfg_down},
     )  # fmt: skip
     per_pair = per_pair.view(num_tokens, top_k, hidden)
     return per_pair.sum(dim=1, dtype=torch.float32).to(x.dtype) if reduce else per_pair
