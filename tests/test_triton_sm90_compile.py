@@ -20,6 +20,7 @@ from pdserve.ops import (  # noqa: E402
     cuda_gdn,
     cuda_gdn_decode,
     cuda_layers,
+    cuda_moe,
     cuda_norms,
     cuda_prefill_attention,
     cuda_route,
@@ -30,7 +31,30 @@ from pdserve.ops import (  # noqa: E402
 ROUTES = {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64"}
 ROUTE_K = {"TOP_K": 8, "OUT_K": 9, "HAS_SHARED": True, "E_PAD": 256, "K_PAD": 16}
 ALIGN = {"ids_ptr": "*i64", "pair_of_row_ptr": "*i64", "scratch_ptr": "*i32"}
+MOE_ARGS = "N K stride_am stride_we stride_wn stride_cm top_k num_blocks".split()
+MOE = {"a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "pair_ptr": "*i64", "ids_ptr": "*i64",
+       "weight_ptr": "*bf16", **dict.fromkeys(MOE_ARGS, "i32")}  # fmt: skip
+
+
+def moe_tile(num_pairs: int, num_experts: int) -> dict:
+    """The MoE GEMM's tile constexprs the engine picks for a pass (its warps and stages aside)."""
+    tile = cuda_moe._block_config(num_pairs, num_experts)
+    return {k: v for k, v in tile.items() if not k.startswith("num_")}
+
+
 KERNELS = {
+    "moe_gate_up_prefill": (
+        cuda_moe._moe_gemm_kernel,
+        MOE,
+        {"GATE_UP": True, **moe_tile(1 << 20, 256), "IEEE": False},
+        8,
+    ),
+    "moe_down_decode": (
+        cuda_moe._moe_gemm_kernel,
+        MOE,
+        {"GATE_UP": False, **moe_tile(36, 257), "IEEE": False},
+        4,
+    ),
     "route_topk": (
         cuda_route._route_topk_kernel,
         {**ROUTES, "stride_lt": "i32", "E": "i32", "SHARED_ID": "i32"},
@@ -54,14 +78,14 @@ KERNELS = {
         cuda_route._chunk_scatter_kernel,
         {"ids_ptr": "*i64", "counts_ptr": "*i32", "pair_of_row_ptr": "*i64", "scratch_ptr": "*i32",
          "num_pairs": "i32", "num_chunks": "i32", "E": "i32"},
-        {"BLOCK_M": 128, "CHUNK": cuda_route.ALIGN_CHUNK, "E_PAD": 512, "ROWS": 16},
+        {"BLOCK_M": 128, "CHUNK": cuda_route.align_chunk(1 << 20), "E_PAD": 512, "ROWS": 16},
         8,
     ),
     "chunk_counts": (
         cuda_route._chunk_counts_kernel,
         {"ids_ptr": "*i64", "counts_ptr": "*i32", "pair_of_row_ptr": "*i64", "num_pairs": "i32",
          "num_rows": "i32", "E": "i32"},
-        {"CHUNK": cuda_route.ALIGN_CHUNK, "E_PAD": 512, "FILL": 1024},
+        {"CHUNK": cuda_route.align_chunk(1 << 20), "E_PAD": 512, "FILL": 1024},
         8,
     ),
     "gdn_gates": (

@@ -22,7 +22,7 @@ CONV_DIM, CONV_W, EXPERTS, TOP_K = 8192, 4, 256, 8  # GDN conv channels (q, k, v
 CONV_TILES = [
     dict(BT=t, BC=c, num_warps=w) for t, c, w in itertools.product((16, 32, 64), (64, 128, 256), (4, 8))
 ]
-ALIGN_CHUNKS = (512, 1024, 2048, 4096)
+ALIGN_CHUNKS = (256, 512, 1024, 2048, 4096)
 
 
 def conv_sweep(prompts: int, length: int) -> None:
@@ -59,22 +59,25 @@ def align_sweep(tokens: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     ids = torch.randn(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices
     ids = torch.cat([ids, torch.full((tokens, 1), EXPERTS, device="cuda")], dim=1)  # the shared expert
-    rows, default = [], cuda_route.ALIGN_CHUNK
+    rows, default, one_up_to = [], cuda_route.ALIGN_CHUNK, cuda_route.MAX_ALIGN_PAIRS
+    chosen = "one program" if ids.numel() <= one_up_to else f"chunks of {default}"
     for block_m in (64, 128):
         want = cuda_moe.pairs_by_sort(ids, EXPERTS + 1, block_m)
         sort_us = 1e3 * do_bench(lambda b=block_m: cuda_moe.pairs_by_sort(ids, EXPERTS + 1, b))
         rows.append((sort_us, f"BLOCK_M {block_m}: the device sort (reference)"))
-        for chunk in ALIGN_CHUNKS:
-            cuda_route.ALIGN_CHUNK = chunk
+        # one program for every pair (where P_PAD fits), then a program per chunk of each size
+        for chunk, up_to in [(default, 1 << 16), *((c, 0) for c in ALIGN_CHUNKS)]:
+            if up_to and ids.numel() > 2 * one_up_to:
+                continue
+            cuda_route.ALIGN_CHUNK, cuda_route.MAX_ALIGN_PAIRS = chunk, up_to
             try:
                 same = torch.equal(cuda_route.align_pairs(ids, EXPERTS + 1, block_m), want)
                 us = 1e3 * do_bench(lambda b=block_m: cuda_route.align_pairs(ids, EXPERTS + 1, b))
             finally:
-                cuda_route.ALIGN_CHUNK = default
-            mark = " (default)" if chunk == default else ""
-            rows.append(
-                (us, f"BLOCK_M {block_m}: chunks of {chunk}{mark}{'' if same else '  LAYOUT DIFFERS'}")
-            )
+                cuda_route.ALIGN_CHUNK, cuda_route.MAX_ALIGN_PAIRS = default, one_up_to
+            name = "one program" if up_to else f"chunks of {chunk}"
+            mark = " (default)" if name == chosen else ""
+            rows.append((us, f"BLOCK_M {block_m}: {name}{mark}{'' if same else '  LAYOUT DIFFERS'}"))
     print(f"\nalignment of {tokens} x {TOP_K + 1} pairs over {EXPERTS + 1} experts:")
     for us, name in sorted(rows):
         print(f"  {us:8.1f} us  {name}")
@@ -83,10 +86,12 @@ def align_sweep(tokens: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--passes", nargs="+", default=["8x1024", "1x8192", "32x1024"], help="PxL")
+    parser.add_argument("--align-only", action="store_true", help="only the MoE alignment")
     args = parser.parse_args()
     for p in args.passes:
         prompts, length = (int(v) for v in p.split("x"))
-        conv_sweep(prompts, length)
+        if not args.align_only:
+            conv_sweep(prompts, length)
         align_sweep(prompts * length)
 
 

@@ -5,7 +5,7 @@ program per token, and the alignment of (token, k) pairs into per-expert row blo
 same row layout as `pdserve.ops.cuda_moe.pairs_by_sort` (each expert's pairs in pair order, padded
 to whole blocks) without a device sort: up to `MAX_ALIGN_PAIRS` pairs in one launch (a histogram of
 the experts, prefix sums of the padded counts, and one `tl.sort` of (expert, pair) keys to rank each
-pair inside its expert); more (prefill passes) in two, over chunks of `ALIGN_CHUNK` pairs: each
+pair inside its expert); more (prefill passes) in two, over chunks of `align_chunk` pairs: each
 chunk's histogram, then each chunk ranks its own pairs after the chunks before it.
 
 Their size arguments are not specialised: Triton builds a kernel again for an int argument that
@@ -19,8 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ALIGN_PAIRS = 8192  # one program sorts every pair: decode and small prefills
-ALIGN_CHUNK = 2048  # above that, a program per chunk (H200, 32,768 x 9 pairs: 67-83 us vs 105 at 4,096)
+MAX_ALIGN_PAIRS = 512  # one program sorts every pair: decode steps (H100: 2,448 pairs 89 us, chunked 13-47)
+ALIGN_CHUNK: int | None = None  # pairs a program takes above that; None: `align_chunk`'s choice
+
+
+def align_chunk(num_pairs: int) -> int:
+    """Pairs a program aligns in a pass of num_pairs: small chunks spread a small pass over more
+    programs (H100, 4,096 x 9 pairs: 20 us at 512, 34 at 2,048); from 65,536 pairs, 2,048 (H200,
+    32,768 x 9 pairs: 67-83 us vs 105 at 4,096: each program reads every chunk's counts)."""
+    return ALIGN_CHUNK or (512 if num_pairs <= 65_536 else 2048)
 
 
 @triton.jit
@@ -210,16 +217,17 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch
     pair_of_row = torch.empty(num_rows, dtype=torch.int64, device=flat.device)
     e_pad = triton.next_power_of_2(num_experts + 1)
     if num_pairs > MAX_ALIGN_PAIRS:
-        chunks = triton.cdiv(num_pairs, ALIGN_CHUNK)
+        chunk = align_chunk(num_pairs)
+        chunks = triton.cdiv(num_pairs, chunk)
         counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=flat.device)
         scratch = torch.empty(chunks, e_pad, dtype=torch.int32, device=flat.device)
         _chunk_counts_kernel[(chunks,)](
             flat, counts, pair_of_row, num_pairs, num_rows, num_experts,
-            CHUNK=ALIGN_CHUNK, E_PAD=e_pad, FILL=1024, num_warps=8,
+            CHUNK=chunk, E_PAD=e_pad, FILL=1024, num_warps=8,
         )  # fmt: skip
         _chunk_scatter_kernel[(chunks,)](
             flat, counts, pair_of_row, scratch, num_pairs, chunks, num_experts,
-            BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, E_PAD=e_pad, ROWS=16, num_warps=8,
+            BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, ROWS=16, num_warps=8,
         )  # fmt: skip
         return pair_of_row
     scratch = torch.empty(e_pad, dtype=torch.int32, device=flat.device)
