@@ -4,6 +4,8 @@ outputs poisoned first; and a CUDA-graph capture of them all. Skipped without CU
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -172,12 +174,20 @@ def test_layer_ops_capture_in_a_cuda_graph() -> None:
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("batch", [1, 4, 8, 9, 32])
-def test_gdn_decode_step_equals_the_four_ops(batch: int) -> None:
+@pytest.mark.parametrize(
+    ("batch", "shape"), [(1, None), (4, None), (8, None), (9, None), (32, None), (32, (2, 8)), (32, (4, 4))]
+)
+def test_gdn_decode_step_equals_the_four_ops(batch: int, shape: tuple[int, int] | None) -> None:
     """The GDN decode mixer (fused up to FUSED_MAX_BATCH sequences: the conv, then gates + step +
     gated norm in one launch) = the four CUDA ops composed, and the CPU reference, over three bf16
-    steps at the Qwen3.6 shape; the slots it ran on compared, conv histories to the bit."""
+    steps at the Qwen3.6 shape; the slots it ran on compared, conv histories to the bit. `shape`:
+    the fused kernel at any batch, its state tile in (blocks, warps) (bench_step's gsplit, gwarps)."""
+    from pdserve.ops import cuda_gdn_decode
     from pdserve.ops.gdn_decode import GdnTensors, gdn_decode_step, gdn_decode_step_unfused
+
+    step = gdn_decode_step
+    if shape is not None:
+        step = partial(cuda_gdn_decode.gdn_decode_step, v_split=shape[0], num_warps=shape[1])
 
     hk, dk, slots, dtype = 16, 128, 40, torch.bfloat16
     channels = 2 * hk * dk + HV * DV
@@ -195,7 +205,7 @@ def test_gdn_decode_step_equals_the_four_ops(batch: int) -> None:
         x = torch.randn(batch, channels, device=DEVICE, dtype=dtype)
         z = torch.randn(batch, HV, DV, device=DEVICE, dtype=dtype)
         a, b = (torch.randn(batch, HV, device=DEVICE, dtype=dtype) * 4 for _ in range(2))
-        got = gdn_decode_step(x, z, a, b, fused, ids)
+        got = step(x, z, a, b, fused, ids)
         composed = gdn_decode_step_unfused(x, z, a, b, unfused, ids)
         want = gdn_decode_step_unfused(*(t.cpu() for t in (x, z, a, b)), cpu, ids.cpu())
         assert rel_err(got, composed) < 1e-3 and rel_err(got, want) < TOL[dtype]

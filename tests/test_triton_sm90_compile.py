@@ -145,10 +145,13 @@ KERNELS = {
          "dt_bias_ptr": "*bf16", "state_ptr": "*fp32", "slot_ptr": "*i64", "norm_w_ptr": "*bf16",
          "out_ptr": "*bf16", **dict.fromkeys(["stride_mb", "stride_zb", "stride_zh", "stride_ab", "stride_bb",
          "stride_ss", "stride_sh", "key_dim"], "i32"), "scale": "fp32", "l2_eps": "fp32", "norm_eps": "fp32"},
-        {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": 128},
+        {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": 128, "V_SPLIT": 1},
         8,
     ),
 }  # fmt: skip
+# the same program with its state tile in 4 blocks of 32 value columns (a bench_step variant)
+_kernel, _args, _tile, _ = KERNELS["gates_step_norm"]
+KERNELS["gates_step_norm_split4"] = (_kernel, _args, {**_tile, "BV": 32, "V_SPLIT": 4}, 4)
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

@@ -61,20 +61,22 @@ def check_gdn_decode(gen: torch.Generator) -> None:
     norm_w = torch.rand(dv, generator=gen) + 0.5
     conv = torch.randn(slots, channels, width - 1, generator=gen)
     state = torch.randn(slots, v_heads, dk, dv, generator=gen) * 0.3
-    got_conv, want_conv, got_state, want_state = conv.clone(), conv, state.clone(), state
-    for _ in range(2):
-        x = torch.randn(batch, channels, generator=gen)
-        z = torch.randn(batch, v_heads, dv, generator=gen)
-        a, b = (torch.randn(batch, v_heads, generator=gen) * 6 for _ in range(2))
-        got = cuda_gdn_decode.gdn_decode_step(
-            x, z, a, b, GdnTensors(weight, got_conv, A_log, dt_bias, got_state, norm_w, 1e-6), ids
-        )
-        want = gdn_decode_step_unfused(
-            x, z, a, b, GdnTensors(weight, want_conv, A_log, dt_bias, want_state, norm_w, 1e-6), ids
-        )
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got_conv, want_conv)
-    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+    for v_split, warps in [(1, 8), (2, 4), (4, 4)]:  # the whole state tile, or blocks of it in turn
+        got_conv, want_conv, got_state, want_state = conv.clone(), conv.clone(), state.clone(), state.clone()
+        for _ in range(2):
+            x = torch.randn(batch, channels, generator=gen)
+            z = torch.randn(batch, v_heads, dv, generator=gen)
+            a, b = (torch.randn(batch, v_heads, generator=gen) * 6 for _ in range(2))
+            got = cuda_gdn_decode.gdn_decode_step(
+                x, z, a, b, GdnTensors(weight, got_conv, A_log, dt_bias, got_state, norm_w, 1e-6), ids,
+                v_split=v_split, num_warps=warps,
+            )  # fmt: skip
+            want = gdn_decode_step_unfused(
+                x, z, a, b, GdnTensors(weight, want_conv, A_log, dt_bias, want_state, norm_w, 1e-6), ids
+            )
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got_conv, want_conv)
+        torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
     # bf16, against the four unfused Triton kernels: the same rounding points, to the bit
     bf = torch.bfloat16
     weight, dt_bias, norm_w = weight.to(bf), dt_bias.to(bf), norm_w.to(bf)

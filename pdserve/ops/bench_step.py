@@ -1,9 +1,10 @@
 """Profile one graph-replayed decode step at the full Qwen3.6-35B-A3B shape (random bf16 weights):
 `python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--tag NAME]
 [--route-align-up-to N] [--gdn-fused-max-batch N] [--skinny-up-to N] [--skinny-splits S]
-[--variants NAME:route=N,gdn=N,skinny=N,splits=S ...]` (the four switches set the decode kernels'
-paths for the run; each variant, on the same weights and inputs, captures its graphs again with its
-switches and has its logits compared with the first variant's).
+[--variants NAME:route=N,gdn=N,gsplit=N,gwarps=N,skinny=N,splits=S ...]` (the switches set the
+decode kernels' paths for the run, gsplit and gwarps the fused GDN mixer's program shape; each
+variant, on the same weights and inputs, captures its graphs again with its switches and has its
+logits compared with the first variant's).
 
 For each batch size `c`: `c` sequences of `--context` tokens (random K/V and GDN states), one decode
 token each, replayed from a CUDA graph. Prints the wall time per step (host input copies + replay),
@@ -92,7 +93,12 @@ def append_json_lines(path: Path | None, rows: list[dict]) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def set_switches(route_align_up_to: int | None, gdn_fused_max_batch: int | None) -> None:
+def set_switches(
+    route_align_up_to: int | None,
+    gdn_fused_max_batch: int | None,
+    gdn_v_split: int | None = None,
+    gdn_warps: int | None = None,
+) -> None:
     """Override the decode kernels' measured switches (only those given: an older checkout lacks them)."""
     if route_align_up_to is not None:
         from pdserve.ops import cuda_moe, cuda_route_align
@@ -104,6 +110,11 @@ def set_switches(route_align_up_to: int | None, gdn_fused_max_batch: int | None)
         from pdserve.ops import gdn_decode
 
         gdn_decode.FUSED_MAX_BATCH = gdn_fused_max_batch
+    if gdn_v_split is not None or gdn_warps is not None:
+        from pdserve.ops import cuda_gdn_decode
+
+        cuda_gdn_decode.V_SPLIT = gdn_v_split or cuda_gdn_decode.V_SPLIT
+        cuda_gdn_decode.NUM_WARPS = gdn_warps or cuda_gdn_decode.NUM_WARPS
 
 
 def set_skinny(up_to: int | None, splits: int | None) -> None:
@@ -118,6 +129,8 @@ def set_skinny(up_to: int | None, splits: int | None) -> None:
 VARIANT_KEYS = {
     "route": "route_align_up_to",
     "gdn": "gdn_fused_max_batch",
+    "gsplit": "gdn_v_split",
+    "gwarps": "gdn_warps",
     "skinny": "up_to",
     "splits": "splits",
 }
@@ -136,11 +149,13 @@ def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
 
 
 def current_switches() -> dict[str, int]:
-    from pdserve.ops import cuda_moe, gdn_decode, linear
+    from pdserve.ops import cuda_gdn_decode, cuda_moe, gdn_decode, linear
 
     return {
         "route_align_up_to": cuda_moe.ROUTE_ALIGN_UP_TO,
         "gdn_fused_max_batch": gdn_decode.FUSED_MAX_BATCH,
+        "gdn_v_split": cuda_gdn_decode.V_SPLIT,
+        "gdn_warps": cuda_gdn_decode.NUM_WARPS,
         "up_to": linear.SKINNY_UP_TO,
         "splits": linear.SKINNY_SPLITS,
     }
@@ -149,7 +164,9 @@ def current_switches() -> dict[str, int]:
 def apply_variant(base: dict[str, int], values: dict[str, int]) -> None:
     """The run's switches (`base`) with the variant's own values over them."""
     merged = base | values
-    set_switches(merged["route_align_up_to"], merged["gdn_fused_max_batch"])
+    set_switches(
+        merged["route_align_up_to"], merged["gdn_fused_max_batch"], merged["gdn_v_split"], merged["gdn_warps"]
+    )
     set_skinny(merged["up_to"], merged["splits"])
 
 
@@ -218,7 +235,9 @@ def main() -> None:
         help="linear.SKINNY_UP_TO for this run (0: cuBLAS; 32: Triton split-K at c <= 32)",
     )
     parser.add_argument("--skinny-splits", type=int, default=None, help="linear.SKINNY_SPLITS, this run")
-    parser.add_argument("--variants", nargs="+", default=[], help="NAME:route=N,gdn=N,skinny=N,splits=S")
+    parser.add_argument(
+        "--variants", nargs="+", default=[], help="NAME:route=N,gdn=N,gsplit=N,gwarps=N,skinny=N,splits=S"
+    )
     args = parser.parse_args()
     set_switches(args.route_align_up_to, args.gdn_fused_max_batch)
     set_skinny(args.skinny_up_to, args.skinny_splits)

@@ -22,8 +22,13 @@ import triton.language as tl
 from pdserve.ops.cuda_conv import causal_conv1d_step
 from pdserve.ops.cuda_gdn import _L2NORM_EPS, delta_rule_step, l2_normed_qk
 from pdserve.ops.cuda_layers import gdn_decay
-from pdserve.ops.cuda_norms import gated_norm_values
+from pdserve.ops.cuda_norms import gated_norm_scaled, gated_norm_values
 from pdserve.ops.gdn_decode import GdnTensors
+
+# a program's state tile in V_SPLIT blocks of value columns, one after another (1: whole), and
+# its warps: 1 and 8 as measured in session 14; other shapes are `bench_step --variants` keys
+V_SPLIT = 1
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -32,33 +37,59 @@ def _gates_step_norm_kernel(
     stride_mb, stride_zb, stride_zh, stride_ab, stride_bb, stride_ss, stride_sh,
     key_dim, scale, l2_eps, norm_eps,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, V_SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence, value head) of the conv output m = q | k | v."""
+    """One (sequence, value head) of the conv output m = q | k | v; its state tile V_SPLIT blocks
+    of BV value columns one after another (1: the whole tile at once)."""
     seq = tl.program_id(0) // HV
     hv = tl.program_id(0) % HV
     hk = hv // GROUP
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < DK
-    offs_v = tl.arange(0, BV)
-    mask_v = offs_v < DV
     m_row = m_ptr + seq * stride_mb
     q = tl.load(m_row + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     k = tl.load(m_row + key_dim + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    v = tl.load(m_row + 2 * key_dim + hv * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     q, k = l2_normed_qk(q, k, scale, l2_eps)
     a = tl.load(a_ptr + seq * stride_ab + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
     g = gdn_decay(a, tl.load(a_log_ptr + hv).to(tl.float32))
     b = tl.load(b_ptr + seq * stride_bb + hv)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # rounded as gdn_gates stores it
     slot = tl.load(slot_ptr + seq).to(tl.int64)
-    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
-    o = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, tl.exp(g), beta)
-    o = o.to(z_ptr.dtype.element_ty)  # rounded as gdn_recurrent_step stores it
-    norm_w = tl.load(norm_w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + seq * stride_zb + hv * stride_zh + offs_v, mask=mask_v, other=0.0)
-    out = gated_norm_values(o, z, norm_w, DV, norm_eps).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + (seq * HV + hv) * DV + offs_v, out, mask=mask_v)
+    s_row = state_ptr + slot * stride_ss + hv * stride_sh
+    out_row = out_ptr + (seq * HV + hv) * DV
+    z_row = z_ptr + seq * stride_zb + hv * stride_zh
+    if V_SPLIT == 1:
+        offs_v = tl.arange(0, BV)
+        mask_v = offs_v < DV
+        v = tl.load(m_row + 2 * key_dim + hv * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        s_ptrs = s_row + offs_k[:, None] * DV + offs_v[None, :]
+        o = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, tl.exp(g), beta)
+        o = o.to(z_ptr.dtype.element_ty)  # rounded as gdn_recurrent_step stores it
+        norm_w = tl.load(norm_w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        z = tl.load(z_row + offs_v, mask=mask_v, other=0.0)
+        out = gated_norm_values(o, z, norm_w, DV, norm_eps).to(out_ptr.dtype.element_ty)
+        tl.store(out_row + offs_v, out, mask=mask_v)
+    else:  # each block's read-out parked in the output row, then normed by the whole row's rms
+        sum_sq = tl.zeros([BV], tl.float32)
+        for j in tl.static_range(V_SPLIT):
+            offs_v = j * BV + tl.arange(0, BV)
+            mask_v = offs_v < DV
+            v = tl.load(m_row + 2 * key_dim + hv * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+            s_ptrs = s_row + offs_k[:, None] * DV + offs_v[None, :]
+            o = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, tl.exp(g), beta)
+            o = o.to(z_ptr.dtype.element_ty)
+            sum_sq += o.to(tl.float32) * o.to(tl.float32)
+            tl.store(out_row + offs_v, o, mask=mask_v)
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / DV + norm_eps)
+        tl.debug_barrier()  # every block's read-out is in the row before any thread norms it
+        for j in tl.static_range(V_SPLIT):
+            offs_v = j * BV + tl.arange(0, BV)
+            mask_v = offs_v < DV
+            o = tl.load(out_row + offs_v, mask=mask_v, other=0.0)
+            norm_w = tl.load(norm_w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+            z = tl.load(z_row + offs_v, mask=mask_v, other=0.0)
+            tl.store(out_row + offs_v, gated_norm_scaled(o, z, norm_w, rstd).to(out_ptr.dtype.element_ty),
+                     mask=mask_v)  # fmt: skip
 
 
 def gdn_decode_step(
@@ -68,8 +99,12 @@ def gdn_decode_step(
     b: torch.Tensor,
     layer: GdnTensors,
     slot_ids: torch.Tensor,
+    v_split: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Shapes checked by `pdserve.ops.gdn_decode.gdn_decode_step`; -> [B, Hv * Dv] in z's dtype."""
+    """Shapes checked by `pdserve.ops.gdn_decode.gdn_decode_step`; -> [B, Hv * Dv] in z's dtype.
+    `v_split` (a power of two), `num_warps`: the kernel's shape, V_SPLIT and NUM_WARPS by default."""
+    v_split, num_warps = v_split or V_SPLIT, num_warps or NUM_WARPS
     conv_weight, conv_pool, A_log, dt_bias, recurrent_pool, norm_weight, norm_eps = layer
     batch = mixed_qkv.shape[0]
     num_v_heads, head_k_dim, head_v_dim = recurrent_pool.shape[1:]
@@ -90,6 +125,7 @@ def gdn_decode_step(
         recurrent_pool.stride(0), recurrent_pool.stride(1),
         key_dim, head_k_dim**-0.5, _L2NORM_EPS, norm_eps,
         HV=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
-        BK=triton.next_power_of_2(head_k_dim), BV=triton.next_power_of_2(head_v_dim), num_warps=8,
+        BK=triton.next_power_of_2(head_k_dim), BV=triton.next_power_of_2(head_v_dim) // v_split,
+        V_SPLIT=v_split, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -127,7 +127,13 @@ def gated_norm_values(x, z, w, D, eps):
     """Over x's last axis (D values, padding zero): round(w * round(x / rms(x))) * silu(z), fp32,
     rounded to x's dtype where transformers' gated norm rounds; x, z as stored, w fp32."""
     xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=-1, keep_dims=True) / D + eps)
+    return gated_norm_scaled(x, z, w, tl.rsqrt(tl.sum(xf * xf, axis=-1, keep_dims=True) / D + eps))
+
+
+@triton.jit
+def gated_norm_scaled(x, z, w, rstd):
+    """`gated_norm_values` with 1 / rms(x) given (a row normed a block at a time)."""
+    xf = x.to(tl.float32)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     scaled = (w * normed).to(x.dtype).to(tl.float32)
     zf = z.to(tl.float32)
