@@ -4,10 +4,12 @@ gates + delta-rule step + gated norm in one (`pdserve.ops.gdn_decode.gdn_decode_
 Unfused, a GDN layer's decode token is four launches between its two GEMMs (`causal_conv1d_step`,
 `gdn_gates`, `gdn_recurrent_step`, `gated_rms_norm`): at 4 sequences each is 2-7 us of mostly
 launch and memory latency (docs/benchmarks.md, session 13). After the conv, one program here takes
-a (sequence, value head): its gates, its whole [Dk, Dv] fp32 state tile updated in place, and its
-gated-normed output row, through the unfused kernels' own jit helpers (`gdn_decay`, `l2_normed_qk`,
-`delta_rule_step`, `gated_norm_values`) and rounded where they round (beta to the activation dtype,
-the step's output before the norm): the two paths agree to the bit under the interpreter.
+a (sequence, value head): its gates, its [Dk, Dv] fp32 state tile updated in place (whole, or in
+V_SPLIT blocks of value columns in turn: the read-outs parked in the output row, then normed by
+the row's rms), and its gated-normed output row, through the unfused kernels' own jit helpers
+(`gdn_decay`, `l2_normed_qk`, `delta_rule_step`, `gated_norm_values`) and rounded where they round
+(beta to the activation dtype, the step's output before the norm): whole-tile, the two paths agree
+to the bit under the interpreter.
 The conv stays a launch of its own. Fused into one program a (sequence, key head) (220e29d) it was
 slower (64-512 programs for 4-32 sequences, H200) and wrong: a 128-lane tensor over 8 warps is held
 by two threads each, and one replica shifted a channel's conv history before the other had read it.
@@ -25,10 +27,23 @@ from pdserve.ops.cuda_layers import gdn_decay
 from pdserve.ops.cuda_norms import gated_norm_scaled, gated_norm_values
 from pdserve.ops.gdn_decode import GdnTensors
 
-# a program's state tile in V_SPLIT blocks of value columns, one after another (1: whole), and
-# its warps: 1 and 8 as measured in session 14; other shapes are `bench_step --variants` keys
+# the program's shape: its state tile in V_SPLIT blocks of value columns in turn, NUM_WARPS warps.
+# The whole tile on 8 warps is what session 14 measured; `bench_step --variants gsplit=,gwarps=`
+# times the others
 V_SPLIT = 1
 NUM_WARPS = 8
+
+
+@triton.jit
+def _step_block(v_row, s_row, offs_k, mask_k, offs_v, q, k, decay, beta, DV: tl.constexpr, dtype):
+    """Value columns offs_v of a value head (its v at v_row, its state tile at s_row): that block
+    of the tile stepped in place; -> (its read-out rounded to `dtype` as gdn_recurrent_step stores
+    it, the columns' mask)."""
+    mask_v = offs_v < DV
+    v = tl.load(v_row + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    s_ptrs = s_row + offs_k[:, None] * DV + offs_v[None, :]
+    o = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, decay, beta)
+    return o.to(dtype), mask_v
 
 
 @triton.jit
@@ -51,33 +66,26 @@ def _gates_step_norm_kernel(
     k = tl.load(m_row + key_dim + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     q, k = l2_normed_qk(q, k, scale, l2_eps)
     a = tl.load(a_ptr + seq * stride_ab + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
-    g = gdn_decay(a, tl.load(a_log_ptr + hv).to(tl.float32))
+    decay = tl.exp(gdn_decay(a, tl.load(a_log_ptr + hv).to(tl.float32)))
     b = tl.load(b_ptr + seq * stride_bb + hv)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # rounded as gdn_gates stores it
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     s_row = state_ptr + slot * stride_ss + hv * stride_sh
     out_row = out_ptr + (seq * HV + hv) * DV
     z_row = z_ptr + seq * stride_zb + hv * stride_zh
+    v_row = m_row + 2 * key_dim + hv * DV
+    dtype = z_ptr.dtype.element_ty
     if V_SPLIT == 1:
         offs_v = tl.arange(0, BV)
-        mask_v = offs_v < DV
-        v = tl.load(m_row + 2 * key_dim + hv * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        s_ptrs = s_row + offs_k[:, None] * DV + offs_v[None, :]
-        o = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, tl.exp(g), beta)
-        o = o.to(z_ptr.dtype.element_ty)  # rounded as gdn_recurrent_step stores it
+        o, mask_v = _step_block(v_row, s_row, offs_k, mask_k, offs_v, q, k, decay, beta, DV, dtype)
         norm_w = tl.load(norm_w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         z = tl.load(z_row + offs_v, mask=mask_v, other=0.0)
-        out = gated_norm_values(o, z, norm_w, DV, norm_eps).to(out_ptr.dtype.element_ty)
-        tl.store(out_row + offs_v, out, mask=mask_v)
+        tl.store(out_row + offs_v, gated_norm_values(o, z, norm_w, DV, norm_eps).to(dtype), mask=mask_v)
     else:  # each block's read-out parked in the output row, then normed by the whole row's rms
         sum_sq = tl.zeros([BV], tl.float32)
         for j in tl.static_range(V_SPLIT):
             offs_v = j * BV + tl.arange(0, BV)
-            mask_v = offs_v < DV
-            v = tl.load(m_row + 2 * key_dim + hv * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-            s_ptrs = s_row + offs_k[:, None] * DV + offs_v[None, :]
-            o = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, tl.exp(g), beta)
-            o = o.to(z_ptr.dtype.element_ty)
+            o, mask_v = _step_block(v_row, s_row, offs_k, mask_k, offs_v, q, k, decay, beta, DV, dtype)
             sum_sq += o.to(tl.float32) * o.to(tl.float32)
             tl.store(out_row + offs_v, o, mask=mask_v)
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / DV + norm_eps)
@@ -88,8 +96,7 @@ def _gates_step_norm_kernel(
             o = tl.load(out_row + offs_v, mask=mask_v, other=0.0)
             norm_w = tl.load(norm_w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
             z = tl.load(z_row + offs_v, mask=mask_v, other=0.0)
-            tl.store(out_row + offs_v, gated_norm_scaled(o, z, norm_w, rstd).to(out_ptr.dtype.element_ty),
-                     mask=mask_v)  # fmt: skip
+            tl.store(out_row + offs_v, gated_norm_scaled(o, z, norm_w, rstd).to(dtype), mask=mask_v)
 
 
 def gdn_decode_step(
