@@ -168,6 +168,13 @@ def check_gdn_prefill(gen: torch.Generator) -> None:
     want = reference.gdn_chunk_prefill(q, k, v, g, beta, cu, want_pool, ids, 4)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-4)
+    # checkpoints on the way (after 3 of 4 tokens, 9 of 9, none) = the reference's step-by-step copies
+    save_at, save_to = torch.tensor([0, 3, 9], dtype=torch.int32), torch.tensor([3, 1, 2])
+    got = cuda_gdn.gdn_recurrent_prefill(q, k, v, g, beta, cu, got_pool, ids, 16, 4, save_at, save_to)
+    want = reference.gdn_recurrent_prefill(q, k, v, g, beta, cu, want_pool, ids, save_at, save_to)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got_pool[1], pool[1]) and not torch.equal(got_pool[2], pool[2])
 
 
 def check_attention(gen: torch.Generator) -> None:

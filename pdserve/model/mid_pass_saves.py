@@ -26,7 +26,7 @@ Attention layers and every other op see the pass as one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -48,8 +48,11 @@ class ScanPiece:
     cu_seqlens: torch.Tensor  # [Np+1] int32: their sequence boundaries
     state_slots: torch.Tensor  # [Np] int64
     save_from: torch.Tensor  # [Mp] int64: slots whose state after this piece is a checkpoint
-    save_to: torch.Tensor  # [Mp] int64: those checkpoints (state slots)
+    save_to: torch.Tensor  # [Mp] int64: those checkpoints (state slots); with save_at, [Np]
     recurrent: bool  # every segment is short: `ops.gdn_recurrent_prefill`, not the chunked scan
+    # [Np] int32: the recurrent scan saves sequence n's state after save_at[n] tokens (0: none)
+    # to save_to[n] itself, on its way through (the whole pass one piece)
+    save_at: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -84,25 +87,13 @@ class MidPassSaves:
         total, starts = sum(chunk_lens), [0]
         for length in chunk_lens[:-1]:
             starts.append(starts[-1] + length)
-        pieces = []
-        for r in range(rounds + 1):
-            tokens, cu, slots, save_from, save_to = [], [0], [], [], []
-            for start, length, slot, points in zip(starts, chunk_lens, state_slots, saves, strict=True):
-                bounds = [0, *(o for o, _ in points), length]
-                if r + 1 >= len(bounds):
-                    continue
-                tokens.extend(range(start + bounds[r], start + bounds[r + 1]))
-                cu.append(len(tokens))
-                slots.append(slot)
-                if r < len(points):
-                    save_from.append(slot)
-                    save_to.append(points[r][1])
-            recurrent = max(b - a for a, b in pairwise(cu)) <= limit and len(tokens) <= token_limit
-            whole = len(tokens) == total and tokens == list(range(total))
-            lists = [tokens, slots, save_from, save_to]
-            tokens_t, slots_t, from_t, to_t = to_device_many(lists, torch.int64, device)
-            cu_t = to_device(cu, torch.int32, device)
-            pieces.append(ScanPiece(None if whole else tokens_t, cu_t, slots_t, from_t, to_t, recurrent))
+        if rounds == 1 and max(chunk_lens) <= limit and total <= token_limit:
+            pieces = [_saving_piece(chunk_lens, state_slots, saves, device)]
+        else:
+            pieces = [
+                _piece(r, starts, chunk_lens, state_slots, saves, limit, token_limit, device)
+                for r in range(rounds + 1)
+            ]
         flat = [
             (start, slot, offset, ck)
             for start, slot, points in zip(starts, state_slots, saves, strict=True)
@@ -138,6 +129,11 @@ class MidPassSaves:
         for piece in self.pieces:
             t = piece.tokens
             inputs = (q, k, v, g, beta) if t is None else (q[t], k[t], v[t], g[t], beta[t])
+            if piece.save_at is not None:  # the whole pass, its checkpoints saved by the scan
+                out = ops.gdn_recurrent_prefill(
+                    *inputs, piece.cu_seqlens, recurrent_pool, piece.state_slots, piece.save_at, piece.save_to
+                )
+                continue
             scan = ops.gdn_recurrent_prefill if piece.recurrent else ops.gdn_chunk_prefill
             o = scan(*inputs, piece.cu_seqlens, recurrent_pool, piece.state_slots)
             if t is None:
@@ -147,6 +143,53 @@ class MidPassSaves:
             if piece.save_to.numel():
                 recurrent_pool.index_copy_(0, piece.save_to, recurrent_pool.index_select(0, piece.save_from))
         return out
+
+
+def _piece(
+    r: int,
+    starts: list[int],
+    chunk_lens: list[int],
+    state_slots: list[int],
+    saves: list[list[tuple[int, int]]],
+    limit: int,
+    token_limit: int,
+    device: torch.device | str,
+) -> ScanPiece:
+    """Piece r: each sequence's tokens between its save points r-1 and r (or its end), and the
+    checkpoints of those ending at a save point."""
+    tokens, cu, slots, save_from, save_to = [], [0], [], [], []
+    for start, length, slot, points in zip(starts, chunk_lens, state_slots, saves, strict=True):
+        bounds = [0, *(o for o, _ in points), length]
+        if r + 1 >= len(bounds):
+            continue
+        tokens.extend(range(start + bounds[r], start + bounds[r + 1]))
+        cu.append(len(tokens))
+        slots.append(slot)
+        if r < len(points):
+            save_from.append(slot)
+            save_to.append(points[r][1])
+    recurrent = max(b - a for a, b in pairwise(cu)) <= limit and len(tokens) <= token_limit
+    total = sum(chunk_lens)
+    whole = len(tokens) == total and tokens == list(range(total))
+    tokens_t, slots_t, from_t, to_t = to_device_many([tokens, slots, save_from, save_to], torch.int64, device)
+    cu_t = to_device(cu, torch.int32, device)
+    return ScanPiece(None if whole else tokens_t, cu_t, slots_t, from_t, to_t, recurrent)
+
+
+def _saving_piece(
+    chunk_lens: list[int],
+    state_slots: list[int],
+    saves: list[list[tuple[int, int]]],
+    device: torch.device | str,
+) -> ScanPiece:
+    """The whole pass as one recurrent piece whose scan writes each sequence's one checkpoint on
+    its way through (no second piece, no gathers: a chat turn's pass, every prompt saving its
+    resume point a few tokens before its end)."""
+    at = [points[0][0] if points else 0 for points in saves]
+    to = [points[0][1] if points else slot for points, slot in zip(saves, state_slots, strict=True)]
+    slots_t, to_t, none_t = to_device_many([state_slots, to, []], torch.int64, device)
+    cu_t, at_t = to_device_many([[0, *accumulate(chunk_lens)], at], torch.int32, device)
+    return ScanPiece(None, cu_t, slots_t, none_t, to_t, True, at_t)
 
 
 def _conv_rows(m: int, num_saves: int, start: int, offset: int, history_len: int) -> list[int]:

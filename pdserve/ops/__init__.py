@@ -122,16 +122,29 @@ def gdn_recurrent_prefill(
     cu_seqlens: torch.Tensor,
     recurrent_pool: torch.Tensor,
     slot_ids: torch.Tensor,
+    save_at: torch.Tensor | None = None,
+    save_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gdn_chunk_prefill`'s inputs and result, computed a token at a time (the recurrence itself,
     one launch on CUDA): for short sequences, where the chunked scan's launches cost more host
-    time than its work (a chat prompt's tail, a follow-up turn's new tokens)."""
+    time than its work (a chat prompt's tail, a follow-up turn's new tokens).
+
+    With `save_at` (int32 [N]) and `save_to` (int64 [N]): sequence n's state after its first
+    `save_at[n]` tokens is also written to `recurrent_pool[save_to[n]]` on the way (a prefix
+    checkpoint inside the pass, no second scan); `save_at[n]` outside 1..length saves nothing."""
     shapes = _check_gdn(
         "gdn_recurrent_prefill", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="T", sequences="N"
     )
     shapes.fix("N+1", shapes.sizes["N"] + 1)
     shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
-    return _implementation(q).gdn_recurrent_prefill(q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids)
+    if (save_at is None) != (save_to is None):
+        raise ValueError("gdn_recurrent_prefill: save_at and save_to go together")
+    if save_at is not None and save_to is not None:
+        shapes("save_at", save_at, "N", torch.int32)
+        shapes("save_to", save_to, "N", torch.int64)
+    return _implementation(q).gdn_recurrent_prefill(
+        q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids, save_at=save_at, save_to=save_to
+    )
 
 
 def gdn_recurrent_step(

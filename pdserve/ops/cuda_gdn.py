@@ -226,15 +226,16 @@ def gdn_recurrent_step(
 
 @triton.jit
 def _gdn_segments_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, cu_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, cu_ptr, o_ptr, save_at_ptr, save_to_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_betat,
     stride_ss, stride_sh, stride_ot, stride_oh, scale, eps,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, SAVES: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, value head, block of BV value columns): the [DK, BV] state tile is read
     once, stepped through the sequence's tokens in registers (the step of `_gdn_step_kernel`,
-    each token's read-out stored as it goes) and written back once."""
+    each token's read-out stored as it goes) and written back once; with SAVES, also written to
+    the sequence's checkpoint slot after its first save_at tokens."""
     pid_nh = tl.program_id(0)
     pid_v = tl.program_id(1)
     n = pid_nh // HV
@@ -250,6 +251,12 @@ def _gdn_segments_kernel(
     state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     start = tl.load(cu_ptr + n).to(tl.int64)
     end = tl.load(cu_ptr + n + 1).to(tl.int64)
+    save_end = start - 1  # the token after which the state is saved (none: before the start)
+    ck_ptrs = s_ptrs
+    if SAVES:
+        save_end = start + tl.load(save_at_ptr + n).to(tl.int64) - 1
+        ck_slot = tl.load(save_to_ptr + n).to(tl.int64)
+        ck_ptrs = state_ptr + ck_slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -259,6 +266,9 @@ def _gdn_segments_kernel(
         beta = tl.load(beta_ptr + t * stride_betat + hv).to(tl.float32)
         state, out = delta_rule_update(state, q, k, v, decay, beta)
         tl.store(o_ptr + t * stride_ot + hv * stride_oh + offs_v, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+        if SAVES:
+            if t == save_end:
+                tl.store(ck_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
 
 
@@ -273,11 +283,14 @@ def gdn_recurrent_prefill(
     slot_ids: torch.Tensor,
     block_v: int = 32,
     num_warps: int = 4,
+    save_at: torch.Tensor | None = None,
+    save_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gdn_chunk_prefill`'s shapes (q, k raw), a token at a time: one launch, no host read of
     cu_seqlens, N x Hv x Dv/block_v programs each looping over its sequence's tokens. Its GPU time
     grows with the longest sequence; fla's chunked scan costs ~1 ms of host time a call
-    (measured in the served conversations, session 16), so this is for short sequences."""
+    (measured in the served conversations, session 16), so this is for short sequences.
+    `save_at`, `save_to`: `pdserve.ops.gdn_recurrent_prefill`'s checkpoints on the way."""
     num_k_heads, head_k_dim = k.shape[1], k.shape[2]
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
     if recurrent_pool.stride(3) != 1 or recurrent_pool.stride(2) != head_v_dim:
@@ -288,12 +301,14 @@ def gdn_recurrent_prefill(
         return out
     block_v = min(block_v, triton.next_power_of_2(head_v_dim))
     grid = (slot_ids.numel() * num_v_heads, triton.cdiv(head_v_dim, block_v))
+    saves = save_at is not None and save_to is not None
     _gdn_segments_kernel[grid](
         q, k, v, g, beta, recurrent_pool, slot_ids, cu_seqlens, out,
+        save_at if saves else slot_ids, save_to if saves else slot_ids,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), recurrent_pool.stride(0), recurrent_pool.stride(1),
         out.stride(0), out.stride(1), head_k_dim**-0.5, _L2NORM_EPS,
         HV=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
-        BK=triton.next_power_of_2(head_k_dim), BV=block_v, num_warps=num_warps,
+        BK=triton.next_power_of_2(head_k_dim), BV=block_v, SAVES=saves, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -143,16 +143,25 @@ def gdn_recurrent_prefill(
     cu_seqlens: torch.Tensor,
     recurrent_pool: torch.Tensor,
     slot_ids: torch.Tensor,
+    save_at: torch.Tensor | None = None,
+    save_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gdn_chunk_prefill`'s result computed a token at a time: the sequences' n-th tokens as one
-    `gdn_recurrent_step` (n = 0, 1, ...)."""
+    `gdn_recurrent_step` (n = 0, 1, ...); after step n, the slots of sequences saving after
+    n + 1 tokens copied to their checkpoints."""
     bounds = _sequence_bounds(cu_seqlens, q.shape[0])
+    saves = []
+    if save_at is not None and save_to is not None:
+        saves = list(zip(save_at.tolist(), save_to.tolist(), strict=True))
     out = torch.empty_like(v)
     for n in range(max((b - a for a, b in pairwise(bounds)), default=0)):
         live = [i for i in range(len(bounds) - 1) if bounds[i] + n < bounds[i + 1]]
         rows = torch.tensor([bounds[i] + n for i in live], device=q.device)
         slots = slot_ids[torch.tensor(live, device=q.device)]
         out[rows] = gdn_recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], recurrent_pool, slots)
+        for i, (at, to) in enumerate(saves):
+            if at == n + 1 and i in live:
+                recurrent_pool[to] = recurrent_pool[slot_ids[i]]
     return out
 
 
