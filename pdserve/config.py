@@ -45,6 +45,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     recurrent_state_dtype: str | torch.dtype = "float32"
     enforce_eager: bool = False  # True: no CUDA graphs for decode (vLLM's flag)
+    # CUDA graphs for small prefill passes too (pdserve.engine.prefill_graphs); off until measured
+    prefill_graphs: bool = False
     enable_prefix_caching: bool = True  # the hybrid prefix cache (docs/prefix-cache.md), as vLLM
     prefix_block_size: int = 64  # tokens per cache block (a multiple of page_size)
     # GDN state checkpoints kept on the device (~61 MiB each at the full shape); None: on a GPU

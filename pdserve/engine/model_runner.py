@@ -8,6 +8,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.prefill_graphs import PrefillGraphs, graphable
 from pdserve.engine.prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from pdserve.engine.run_ahead import TokenPatch, apply_patch
 from pdserve.engine.scheduler import ScheduledSeq
@@ -46,9 +47,11 @@ class ModelRunner:
         else:
             load_weights(model, config.model, cfg)
         self.model = model.eval()
-        # a prefill-only engine never decodes: no decode graphs (and no padding page and slot)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.role != "prefill"
-        self.reserved = 1 if use_graphs else 0  # a page and a slot for the graphs' padding rows
+        # a prefill-only engine never decodes: no decode graphs; a decode-only one no prefill graphs
+        on_gpu = self.device.type == "cuda" and not config.enforce_eager
+        use_graphs = on_gpu and config.role != "prefill"
+        use_prefill_graphs = on_gpu and config.role != "decode" and config.prefill_graphs
+        self.reserved = 1 if use_graphs or use_prefill_graphs else 0  # for the graphs' padding rows
         self.state_pool = GdnStatePool(
             cfg,
             config.num_state_slots + self.reserved,
@@ -59,12 +62,21 @@ class ModelRunner:
         self.kv_pool = KvPagePool(cfg, self._num_kv_pages(), config.page_size, config.dtype, self.device)
         self.model.bind_pools(self.kv_pool.kv, self.state_pool.conv, self.state_pool.recurrent)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        max_pages = self.kv_pool.pages_for(config.max_model_len)
         if use_graphs:
-            max_pages = self.kv_pool.pages_for(config.max_model_len)
             self.graphs = DecodeGraphs(
                 self.model, self.kv_pool, self.state_pool, config.max_num_seqs, max_pages
             )
             self.graphs.capture()
+        if use_prefill_graphs:  # the decode graphs' padding page and slot, or their own
+            pad_page, pad_slot = (
+                (self.graphs.pad_page, self.graphs.pad_slot)
+                if self.graphs is not None
+                else (self.kv_pool.allocate(1)[0], self.state_pool.allocate())
+            )
+            self.prefill_graphs = PrefillGraphs(self.model, pad_page, pad_slot, config.page_size, max_pages)
+            self.prefill_graphs.capture()
 
     def _num_kv_pages(self) -> int:
         c = self.config
@@ -175,7 +187,10 @@ class ModelRunner:
         prompt_rows = plan_prompt_rows(scheduled)
         if self.graphs is not None and not prompt_rows and batch.saves is None and self.graphs.fits(batch):
             return self.graphs.replay(batch)
-        hidden = self.model(batch)
+        if self.prefill_graphs is not None and not prompt_rows and graphable(batch):
+            hidden = self.prefill_graphs.run(batch)
+        else:
+            hidden = self.model(batch)
         if prompt_rows:
             score_prompt_rows(hidden, prompt_rows, self.model.compute_logits)
         rows = [i for i, s in enumerate(scheduled) if s.samples]

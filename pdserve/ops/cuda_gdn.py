@@ -245,12 +245,14 @@ def _gdn_segments_kernel(
     offs_v = pid_v * BV + tl.arange(0, BV)
     mask_k = offs_k < DK
     mask_v = offs_v < DV
-    s_mask = mask_k[:, None] & mask_v[None, :]
+    start = tl.load(cu_ptr + n).to(tl.int64)
+    end = tl.load(cu_ptr + n + 1).to(tl.int64)
+    # an empty sequence (a padded graph's) moves no state (a tensor compare: the interpreter
+    # takes no scalar bool in a mask)
+    s_mask = (mask_k & (tl.zeros([BK], tl.int64) + end > start))[:, None] & mask_v[None, :]
     slot = tl.load(slot_ptr + n).to(tl.int64)
     s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
     state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
-    start = tl.load(cu_ptr + n).to(tl.int64)
-    end = tl.load(cu_ptr + n + 1).to(tl.int64)
     save_end = start - 1  # the token after which the state is saved (none: before the start)
     ck_ptrs = s_ptrs
     if SAVES:

@@ -179,6 +179,8 @@ def causal_conv1d_prefill(
     bounds = _sequence_bounds(cu_seqlens, x.shape[0])
     for n, slot in enumerate(slot_ids.tolist()):
         s = slice(bounds[n], bounds[n + 1])
+        if s.start == s.stop:  # an empty sequence (a padded pass's) leaves its history as it is
+            continue
         # history first, so output i sees the W - 1 inputs before token i even across calls
         inputs = torch.cat([conv_pool[slot].float(), x[s].T.float()], dim=1)
         out[s] = F.silu(F.conv1d(inputs[None], kernel, groups=channels)[0]).T
