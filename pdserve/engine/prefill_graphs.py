@@ -49,8 +49,13 @@ def graphable(batch: ForwardBatch) -> bool:
 
 def shape_of(batch: ForwardBatch) -> tuple[int, int]:
     """(padded tokens, padded sequences) of a graphable pass."""
-    tokens = -(-batch.num_tokens // TOKEN_STEP) * TOKEN_STEP
-    return tokens, next(n for n in SEQ_BUCKETS if n >= batch.num_seqs + 1)
+    return shape_for(batch.num_tokens, batch.num_seqs)
+
+
+def shape_for(num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """(padded tokens, padded sequences) of a pass of `num_tokens` in `num_seqs` sequences."""
+    tokens = -(-num_tokens // TOKEN_STEP) * TOKEN_STEP
+    return tokens, next(n for n in SEQ_BUCKETS if n >= num_seqs + 1)
 
 
 class PrefillGraphs:
@@ -153,13 +158,13 @@ class PrefillGraphs:
         return self.hidden[shape][: batch.num_tokens]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """A graph for every shape, largest first, into one memory pool; each run twice first
-        (Triton builds and autotunes outside the graph) on padding alone: every sequence empty but
-        the padding one, so no real page or slot is touched."""
+    def capture(self, shapes: list[tuple[int, int]] | None = None) -> None:
+        """A graph for every shape (or those of `shapes`: a benchmark's), largest first, into one
+        memory pool; each run twice first (Triton builds and autotunes outside the graph) on
+        padding alone: every sequence empty but the padding one, so no real page or slot is touched."""
         pool = None
         self.cu_seqlens.zero_()
-        for tokens, seqs in tqdm(sorted(self.shapes, reverse=True), desc="capturing prefill graphs",
+        for tokens, seqs in tqdm(sorted(shapes or self.shapes, reverse=True), desc="capturing prefill graphs",
                                  unit="graph", leave=False):  # fmt: skip
             self.cu_seqlens[seqs] = tokens
             self.seq_lens[seqs - 1] = tokens

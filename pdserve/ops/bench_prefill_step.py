@@ -26,7 +26,9 @@ import torch
 from pdserve.bench import QWEN36_35B_A3B
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.prefill_graphs import MAX_TOKENS, PrefillGraphs, graphable, shape_for
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.mid_pass_saves import MidPassSaves
 from pdserve.ops.bench_step import append_json_lines
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -40,6 +42,8 @@ def prefill_batch(runner: ModelRunner, prompts: int, length: int) -> tuple[Forwa
     tables = [kv.allocate(kv.pages_for(length)) for _ in range(prompts)]
     slots = [states.allocate() for _ in range(prompts)]
     batch = ForwardBatch.build(ids, [0] * prompts, tables, slots, runner.config.page_size, runner.device)
+    history = runner.config.model_config.linear_conv_kernel_dim - 1  # the engine's scan plan, no saves
+    batch.saves = MidPassSaves.build([length] * prompts, slots, [[]] * prompts, history, runner.device)
     return batch, tables, slots
 
 
@@ -79,7 +83,8 @@ def host_profile(runner: ModelRunner, batch: ForwardBatch, top: int = 22) -> str
 
 
 def run_pass(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
-    hidden = runner.model(batch)
+    graphs = runner.prefill_graphs
+    hidden = graphs.run(batch) if graphs is not None and graphable(batch) else runner.model(batch)
     return runner.model.compute_logits(hidden[batch.logits_indices]).float().cpu()
 
 
@@ -136,6 +141,7 @@ def main() -> None:
     parser.add_argument("--host", action="store_true", help="also cProfile the host side of each pass")
     parser.add_argument("--align-chunk", type=int, default=None, help="pairs a program aligns (prefill)")
     parser.add_argument("--out", type=Path, default=None, help="append the results as JSON lines here")
+    parser.add_argument("--graphs", action="store_true", help="replay graphable passes from prefill graphs")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in p.split("x")) for p in args.passes]
     if args.align_chunk is not None:
@@ -147,10 +153,17 @@ def main() -> None:
         Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))
         start = time.perf_counter()
         config = EngineConfig(model=tmp, device="cuda", load_format="dummy", max_num_seqs=most,
-                              max_model_len=longest + 64, enforce_eager=True, num_state_slots=most + 1,
-                              num_kv_pages=most * (longest // 16 + 8),
+                              max_model_len=longest + 64, enforce_eager=True, num_state_slots=most + 2,
+                              num_kv_pages=most * (longest // 16 + 8) + 1,
                               max_num_batched_tokens=max(p * n for p, n in shapes))  # fmt: skip
         runner = ModelRunner(config)
+        if args.graphs:  # graphs of these passes' shapes only (the engine captures every shape)
+            kv, states = runner.kv_pool, runner.state_pool
+            graphs = PrefillGraphs(runner.model, kv.allocate(1)[0], states.allocate(), config.page_size,
+                                   kv.pages_for(config.max_model_len))  # fmt: skip
+            wanted = {shape_for(p * n, p) for p, n in shapes if p * n <= MAX_TOKENS}
+            graphs.capture(sorted(wanted))
+            runner.prefill_graphs = graphs
         print(f"model and pools ready in {time.perf_counter() - start:.0f} s", flush=True)
         results = []
         for prompts, length in shapes:
