@@ -19,7 +19,9 @@ on its way through:
     the served conversations, docs/benchmarks.md). So does a pass without saves whose chunks
     are all that short (cache hits' tails, follow-up turns): a plan of one piece, no
     checkpoint. A piece that is the whole pass in order scans the layer's tensors as they
-    are (no gather, no scatter).
+    are (no gather, no scatter). A pass whose chunks all qualify, each saving at most once (a
+    chat turn's pass), is one such piece that saves on its way: the recurrent scan writes each
+    sequence's state to its checkpoint after `save_at` tokens (no second piece).
 Attention layers and every other op see the pass as one.
 """
 
