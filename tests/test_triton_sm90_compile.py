@@ -113,17 +113,19 @@ KERNELS = {
         4,
     ),
     **{
-        f"gdn_segments{'_saving' if saves else ''}": (
+        f"gdn_segments{'_saving' if saves else ''}{'_prefetch' if prefetch else ''}": (
             cuda_gdn._gdn_segments_kernel,
             {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
              "state_ptr": "*fp32", "slot_ptr": "*i64", "cu_ptr": "*i32", "o_ptr": "*bf16",
              "save_at_ptr": "*i32" if saves else "*i64", "save_to_ptr": "*i64",
              **{f"stride_{x}": "i32" for x in "qt qh kt kh vt vh gt betat ss sh ot oh".split()},
              "scale": "fp32", "eps": "fp32"},
-            {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "SAVES": saves},
+            {"HV": 32, "GROUP": 2, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "SAVES": saves,
+             "PREFETCH": prefetch},
             4,
         )
         for saves in (False, True)
+        for prefetch in (False, True)
     },
     "prefill_gqa_persistent": (
         cuda_prefill_attention._prefill_gqa_kernel,

@@ -163,18 +163,22 @@ def check_gdn_prefill(gen: torch.Generator) -> None:
     beta = torch.rand(tokens, v_heads, generator=gen)
     cu = torch.tensor([0, 1, 5, 14], dtype=torch.int32)
     pool, ids = torch.randn(slots, v_heads, dk, dv, generator=gen) * 0.3, torch.tensor([3, 0, 4])
-    got_pool, want_pool = pool.clone(), pool.clone()
-    got = cuda_gdn.gdn_recurrent_prefill(q, k, v, g, beta, cu, got_pool, ids, block_v=16)
+    want_pool = pool.clone()
     want = reference.gdn_chunk_prefill(q, k, v, g, beta, cu, want_pool, ids, 4)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-4)
-    # checkpoints on the way (after 3 of 4 tokens, 9 of 9, none) = the reference's step-by-step copies
     save_at, save_to = torch.tensor([0, 3, 9], dtype=torch.int32), torch.tensor([3, 1, 2])
-    got = cuda_gdn.gdn_recurrent_prefill(q, k, v, g, beta, cu, got_pool, ids, 16, 4, save_at, save_to)
-    want = reference.gdn_recurrent_prefill(q, k, v, g, beta, cu, want_pool, ids, save_at, save_to)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-4)
-    assert not torch.equal(got_pool[1], pool[1]) and not torch.equal(got_pool[2], pool[2])
+    saved_pool = want_pool.clone()
+    saved = reference.gdn_recurrent_prefill(q, k, v, g, beta, cu, saved_pool, ids, save_at, save_to)
+    for prefetch in (False, True):  # inputs loaded as each step needs them, or a step ahead
+        got_pool = pool.clone()
+        got = cuda_gdn.gdn_recurrent_prefill(q, k, v, g, beta, cu, got_pool, ids, 16, prefetch=prefetch)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-4)
+        # checkpoints on the way (after 3 of 4 tokens, 9 of 9, none) = the reference's copies
+        args = (q, k, v, g, beta, cu, got_pool, ids, 16, 4, save_at, save_to, prefetch)
+        got = cuda_gdn.gdn_recurrent_prefill(*args)
+        torch.testing.assert_close(got, saved, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_pool, saved_pool, rtol=1e-4, atol=1e-4)
+        assert not torch.equal(got_pool[1], pool[1]) and not torch.equal(got_pool[2], pool[2])
 
 
 def check_attention(gen: torch.Generator) -> None:
