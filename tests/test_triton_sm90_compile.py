@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pdserve.ops import (  # noqa: E402
+    cuda_conv,
     cuda_gdn,
     cuda_gdn_decode,
     cuda_layers,
@@ -126,6 +127,17 @@ KERNELS = {
         )
         for saves in (False, True)
         for prefetch in (False, True)
+    },
+    **{
+        f"conv_history{'_saving' if save else ''}": (
+            cuda_conv._conv_history_kernel,
+            {"x_ptr": "*bf16", "pool_ptr": "*bf16", "slot_ptr": "*i64", "cu_ptr": "*i32",
+             "save_at_ptr": "*i32" if save else "*i64", "save_to_ptr": "*i64",
+             **dict.fromkeys(["C", "stride_xt", "stride_ps"], "i32")},
+            {"HIST": 3, "H_PAD": 4, "BC": 256, "SAVE": save},
+            4,
+        )
+        for save in (False, True)
     },
     "prefill_gqa_persistent": (
         cuda_prefill_attention._prefill_gqa_kernel,

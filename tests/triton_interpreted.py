@@ -89,6 +89,17 @@ def check_conv(gen: torch.Generator) -> None:
     want = reference.causal_conv1d_step(step, weight, want_pool, slot_ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_pool, want_pool)
+    # checkpoints on the way: after 1 of 5 tokens (history and x), 7 of 9 (x alone), none, and
+    # one past the end (nothing); = the reference's, and = the history of a pass that stops there
+    save_at, save_to = torch.tensor([0, 1, 3, 7], dtype=torch.int32), torch.tensor([5, 2, 4, 4])
+    stop_pool = got_pool.clone()
+    got = cuda_conv.causal_conv1d_prefill(x, weight, cu, got_pool, slot_ids, save_at=save_at, save_to=save_to)
+    want = reference.causal_conv1d_prefill(x, weight, cu, want_pool, slot_ids, save_at, save_to)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_pool, want_pool)
+    first = torch.tensor([0, 1, 8], dtype=torch.int32)  # sequence 1's first token, sequence 3's first 7
+    reference.causal_conv1d_prefill(x[[1, *range(8, 15)]], weight, first, stop_pool, torch.tensor([0, 1]))
+    assert torch.equal(got_pool[2], stop_pool[0]) and torch.equal(got_pool[4], stop_pool[1])
 
 
 def check_moe(gen: torch.Generator) -> None:

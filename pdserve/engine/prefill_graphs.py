@@ -66,7 +66,6 @@ class PrefillGraphs:
         self.pad_page, self.pad_slot = pad_page, pad_slot
         self.pad_flat_slot = pad_page * page_size
         self.max_pages = max_pages
-        self.history = model.config.linear_conv_kernel_dim - 1
         device = model.model.embed_tokens.weight.device
         t, n = MAX_TOKENS, SEQ_BUCKETS[-1]
         i64, i32 = torch.int64, torch.int32
@@ -79,9 +78,7 @@ class PrefillGraphs:
         self.state_slots = torch.full((n,), pad_slot, dtype=i64, device=device)
         self.save_at = torch.zeros(n, dtype=i32, device=device)
         self.save_to = torch.full((n,), pad_slot, dtype=i64, device=device)
-        self.conv_slots = torch.full((n,), pad_slot, dtype=i64, device=device)
-        self.conv_to = torch.full((n,), pad_slot, dtype=i64, device=device)
-        self.conv_rows = torch.zeros(n, self.history, dtype=i64, device=device)
+        self.no_rows = torch.zeros(0, model.config.linear_conv_kernel_dim - 1, dtype=i64, device=device)
         self.shapes = [(t, s) for t in range(TOKEN_STEP, t + 1, TOKEN_STEP) for s in SEQ_BUCKETS]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
@@ -90,8 +87,8 @@ class PrefillGraphs:
         """The static buffers as a pass of `tokens` tokens in `seqs` sequences."""
         cu, slots = self.cu_seqlens[: seqs + 1], self.state_slots[:seqs]
         piece = ScanPiece(None, cu, slots, slots[:0], self.save_to[:seqs], True, self.save_at[:seqs])
-        conv = self.conv_slots[:seqs], self.conv_to[:seqs], self.conv_rows[:seqs]
-        saves = MidPassSaves([piece], *conv, num_saves=seqs)
+        # the checkpoints ride on the piece (the conv op and the scan write them): no conv rows
+        saves = MidPassSaves([piece], self.no_rows[:, 0], self.no_rows[:, 0], self.no_rows, 0)
         return ForwardBatch(
             input_ids=self.input_ids[:tokens],
             positions=self.positions[:tokens],
@@ -112,7 +109,7 @@ class PrefillGraphs:
         t, n, width = batch.num_tokens, batch.num_seqs, batch.block_tables.shape[1]
         if width > self.max_pages:
             raise ValueError(f"a pass of {width} pages a sequence: the graphs hold {self.max_pages}")
-        saves, piece = batch.saves, batch.saves.pieces[0]
+        piece = batch.saves.pieces[0]
         self.input_ids[:t].copy_(batch.input_ids)
         self.positions[:t].copy_(batch.positions)
         self.slot_mapping[:t].copy_(batch.slot_mapping)
@@ -125,11 +122,6 @@ class PrefillGraphs:
             self.save_to[:n].copy_(piece.save_to)
         else:
             self.save_at[:n].zero_()
-        m = saves.num_saves  # the conv checkpoints, first; their rows re-indexed for `seqs` of them
-        rows, history_rows = saves.conv_rows, m * self.history
-        self.conv_rows[:m].copy_(torch.where(rows < history_rows, rows, rows + (seqs - m) * self.history))
-        self.conv_slots[:m].copy_(saves.conv_slots)
-        self.conv_to[:m].copy_(saves.conv_to)
         # padding: sequences n..seqs-2 empty, sequence seqs-1 the tokens t..tokens
         self.input_ids[t:tokens].zero_()
         self.positions[t:tokens].copy_(torch.arange(tokens - t, device=self.positions.device))
@@ -142,9 +134,6 @@ class PrefillGraphs:
         self.state_slots[n:seqs].fill_(self.pad_slot)
         self.save_at[n:seqs].zero_()
         self.save_to[n:seqs].fill_(self.pad_slot)
-        self.conv_slots[m:seqs].fill_(self.pad_slot)
-        self.conv_to[m:seqs].fill_(self.pad_slot)
-        self.conv_rows[m:seqs].zero_()
         return tokens, seqs
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:

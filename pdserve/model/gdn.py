@@ -52,11 +52,8 @@ class GatedDeltaNet(nn.Module):
                                  self.recurrent_pool, self.norm.weight, self.norm.eps)  # fmt: skip
             o = gdn_decode_step(mixed_qkv, z, a, b, tensors, batch.state_slots)
             return linear_to_norm(o, self.out_proj)
-        if batch.saves is not None:  # before the conv moves the slots past the save points
-            batch.saves.save_conv(mixed_qkv, self.conv_pool)
-        mixed_qkv = ops.causal_conv1d_prefill(
-            mixed_qkv, self.conv1d_weight, batch.cu_seqlens, self.conv_pool, batch.state_slots
-        )
+        conv = ops.causal_conv1d_prefill if batch.saves is None else batch.saves.conv
+        mixed_qkv = conv(mixed_qkv, self.conv1d_weight, batch.cu_seqlens, self.conv_pool, batch.state_slots)
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)

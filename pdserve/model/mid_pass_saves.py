@@ -21,7 +21,8 @@ on its way through:
     checkpoint. A piece that is the whole pass in order scans the layer's tensors as they
     are (no gather, no scatter). A pass whose chunks all qualify, each saving at most once (a
     chat turn's pass), is one such piece that saves on its way: the recurrent scan writes each
-    sequence's state to its checkpoint after `save_at` tokens (no second piece).
+    sequence's state to its checkpoint after `save_at` tokens (no second piece), and the conv op
+    its conv history there (no conv rows: `conv`).
 Attention layers and every other op see the pass as one.
 """
 
@@ -63,7 +64,7 @@ class MidPassSaves:
     conv_slots: torch.Tensor  # [M] int64: the sequence slot of each save
     conv_to: torch.Tensor  # [M] int64: its checkpoint
     conv_rows: torch.Tensor  # [M, W-1] int64: rows of cat(history of conv_slots, x), oldest first
-    num_saves: int = 0  # M
+    num_saves: int = 0  # M (0 for a saving piece: its checkpoints ride on the piece's save_at)
 
     @staticmethod
     def build(
@@ -90,12 +91,14 @@ class MidPassSaves:
         for length in chunk_lens[:-1]:
             starts.append(starts[-1] + length)
         if rounds == 1 and max(chunk_lens) <= limit and total <= token_limit:
-            pieces = [_saving_piece(chunk_lens, state_slots, saves, device)]
-        else:
-            pieces = [
-                _piece(r, starts, chunk_lens, state_slots, saves, limit, token_limit, device)
-                for r in range(rounds + 1)
-            ]
+            # the conv op and the recurrent scan write the checkpoints themselves: no conv rows
+            none, rows = to_device_many([[], []], torch.int64, device)
+            piece = _saving_piece(chunk_lens, state_slots, saves, device)
+            return MidPassSaves([piece], none, none, rows.view(0, history_len), 0)
+        pieces = [
+            _piece(r, starts, chunk_lens, state_slots, saves, limit, token_limit, device)
+            for r in range(rounds + 1)
+        ]
         flat = [
             (start, slot, offset, ck)
             for start, slot, points in zip(starts, state_slots, saves, strict=True)
@@ -106,6 +109,24 @@ class MidPassSaves:
         rows = [_conv_rows(m, len(flat), f[0], f[2], history_len) for m, f in enumerate(flat)]
         slots_t, to_t, rows_t = to_device_many([conv_slots, conv_to, sum(rows, [])], torch.int64, device)
         return MidPassSaves(pieces, slots_t, to_t, rows_t.view(len(rows), history_len), len(flat))
+
+    def conv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        conv_pool: torch.Tensor,
+        state_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """`ops.causal_conv1d_prefill` over the whole pass, saving the conv checkpoints: the op
+        writes them itself when the pass is one saving piece, else `save_conv` first."""
+        piece = self.pieces[0]
+        if piece.save_at is not None:
+            return ops.causal_conv1d_prefill(
+                x, weight, cu_seqlens, conv_pool, state_slots, piece.save_at, piece.save_to
+            )
+        self.save_conv(x, conv_pool)
+        return ops.causal_conv1d_prefill(x, weight, cu_seqlens, conv_pool, state_slots)
 
     def save_conv(self, x: torch.Tensor, conv_pool: torch.Tensor) -> None:
         """Write each checkpoint's conv state from the layer's packed conv input `x` [T, C]; call

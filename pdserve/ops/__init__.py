@@ -190,6 +190,8 @@ def causal_conv1d_prefill(
     cu_seqlens: torch.Tensor,
     conv_pool: torch.Tensor,
     slot_ids: torch.Tensor,
+    save_at: torch.Tensor | None = None,
+    save_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d + SiLU over packed sequences, continuing each slot's history. No bias.
 
@@ -198,12 +200,22 @@ def causal_conv1d_prefill(
     first, pre-activation (zeros for a fresh request); slot_ids: int64 [N].
     Sequence n is convolved as if conv_pool[slot_ids[n]] came right before it; afterwards the slot
     holds the last W-1 inputs of (history + sequence), so chained calls equal one call.
+    With `save_at` (int32 [N]) and `save_to` (int64 [N]): the history after sequence n's first
+    `save_at[n]` tokens is also written to conv_pool[save_to[n]] (a prefix checkpoint inside the
+    pass, as `gdn_recurrent_prefill`'s); `save_at[n]` outside 1..length saves nothing.
     Returns out: [T, C] in x's dtype (computed in fp32).
     """
     shapes = _check_conv("causal_conv1d_prefill", x, weight, conv_pool, slot_ids, tokens="T", sequences="N")
     shapes.fix("N+1", shapes.sizes["N"] + 1)
     shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
-    return _implementation(x).causal_conv1d_prefill(x, weight, cu_seqlens, conv_pool, slot_ids)
+    if (save_at is None) != (save_to is None):
+        raise ValueError("causal_conv1d_prefill: save_at and save_to go together")
+    if save_at is not None and save_to is not None:
+        shapes("save_at", save_at, "N", torch.int32)
+        shapes("save_to", save_to, "N", torch.int64)
+    return _implementation(x).causal_conv1d_prefill(
+        x, weight, cu_seqlens, conv_pool, slot_ids, save_at=save_at, save_to=save_to
+    )
 
 
 def causal_conv1d_step(

@@ -46,26 +46,37 @@ def _conv_prefill_kernel(
 
 @triton.jit
 def _conv_history_kernel(
-    x_ptr, pool_ptr, slot_ptr, cu_ptr, C, stride_xt, stride_ps,
-    HIST: tl.constexpr, H_PAD: tl.constexpr, BC: tl.constexpr,
+    x_ptr, pool_ptr, slot_ptr, cu_ptr, save_at_ptr, save_to_ptr, C, stride_xt, stride_ps,
+    HIST: tl.constexpr, H_PAD: tl.constexpr, BC: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
     """(sequence n, BC channels): the slot's new history, the last HIST inputs of history + sequence:
-    from x inside the sequence, else from the old history (read before any of it is written)."""
+    from x inside the sequence, else from the old history (read before any of it is written).
+    SAVE: the history after the sequence's first save_at tokens instead, written to its save_to
+    slot (nothing where save_at is outside 1..length); the slot itself is left as it is."""
     n = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     offs_h = tl.arange(0, H_PAD)
     start = tl.load(cu_ptr + n)
     length = tl.load(cu_ptr + n + 1) - start
     slot = tl.load(slot_ptr + n).to(tl.int64)
+    tile = (offs_c < C)[:, None] & (offs_h < HIST)[None, :]
+    dest = slot
+    if SAVE:
+        prefix = tl.load(save_at_ptr + n)
+        # a tensor compare (the interpreter takes no scalar bool in a mask)
+        prefixes = tl.zeros([H_PAD], tl.int32) + prefix
+        tile = tile & ((prefixes > 0) & (prefixes <= length))[None, :]
+        length = prefix
+        dest = tl.load(save_to_ptr + n).to(tl.int64)
     back = offs_h + length  # the new history's j-th input, counted from the old history's start
     from_x = back >= HIST
-    tile = (offs_c < C)[:, None] & (offs_h < HIST)[None, :]
     pos = (start - HIST + back).to(tl.int64)
     x = tl.load(x_ptr + pos[None, :] * stride_xt + offs_c[:, None], mask=tile & from_x[None, :], other=0.0)
     hist_ptrs = pool_ptr + slot * stride_ps + offs_c[:, None] * HIST
     old = tl.load(hist_ptrs + back[None, :], mask=tile & ~from_x[None, :], other=0.0)
     tl.debug_barrier()  # every thread has read the old history before any thread overwrites it
-    tl.store(hist_ptrs + offs_h[None, :], tl.where(from_x[None, :], x.to(old.dtype), old), mask=tile)
+    new = tl.where(from_x[None, :], x.to(old.dtype), old)
+    tl.store(pool_ptr + dest * stride_ps + offs_c[:, None] * HIST + offs_h[None, :], new, mask=tile)
 
 
 PREFILL_TILE = dict(BT=32, BC=128, num_warps=4)  # tokens x channels a program (bench_prefill_tiles)
@@ -84,10 +95,13 @@ def causal_conv1d_prefill(
     conv_pool: torch.Tensor,
     slot_ids: torch.Tensor,
     tile: dict[str, int] | None = None,
+    save_at: torch.Tensor | None = None,
+    save_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, C]; weight [C, W]; cu_seqlens int32 [N+1]; conv_pool [S, C, W-1] (each slot's [C, W-1]
     contiguous); slot_ids int64 [N] -> out [T, C] in x's dtype. Sync-free: one Triton launch for the
-    outputs, then one for each slot's new history (the last W-1 inputs of history + sequence).
+    outputs, then one for each slot's new history (the last W-1 inputs of history + sequence),
+    and before it, with `save_at` / `save_to`, one for the checkpoints' histories.
     `tile`: the output kernel's BT, BC, num_warps other than `PREFILL_TILE` (a sweep's)."""
     num_tokens, channels = x.shape
     history_len = conv_pool.shape[2]
@@ -105,10 +119,14 @@ def causal_conv1d_prefill(
         num_tokens, channels, x.stride(0), weight.stride(0), conv_pool.stride(0), out.stride(0),
         HIST=history_len, **tile,
     )  # fmt: skip
-    _conv_history_kernel[(slot_ids.shape[0], triton.cdiv(channels, 256))](
-        x, conv_pool, slot_ids, cu_seqlens, channels, x.stride(0), conv_pool.stride(0),
-        HIST=history_len, H_PAD=triton.next_power_of_2(history_len), BC=256,
-    )  # fmt: skip
+    history_grid = (slot_ids.shape[0], triton.cdiv(channels, 256))
+    saves = (save_at, save_to) if save_at is not None and save_to is not None else ()
+    for save in (True, False) if saves else (False,):  # checkpoints first: they read the old history
+        _conv_history_kernel[history_grid](
+            x, conv_pool, slot_ids, cu_seqlens, *(saves or (slot_ids, slot_ids)), channels,
+            x.stride(0), conv_pool.stride(0),
+            HIST=history_len, H_PAD=triton.next_power_of_2(history_len), BC=256, SAVE=save,
+        )  # fmt: skip
     return out
 
 

@@ -172,11 +172,15 @@ def causal_conv1d_prefill(
     cu_seqlens: torch.Tensor,
     conv_pool: torch.Tensor,
     slot_ids: torch.Tensor,
+    save_at: torch.Tensor | None = None,
+    save_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     channels, history_len = conv_pool.shape[1], conv_pool.shape[2]
     kernel = weight.float()[:, None, :]
     out = torch.empty_like(x)
     bounds = _sequence_bounds(cu_seqlens, x.shape[0])
+    saves = [0] * len(bounds) if save_at is None else save_at.tolist()
+    targets = [] if save_to is None else save_to.tolist()
     for n, slot in enumerate(slot_ids.tolist()):
         s = slice(bounds[n], bounds[n + 1])
         if s.start == s.stop:  # an empty sequence (a padded pass's) leaves its history as it is
@@ -184,6 +188,8 @@ def causal_conv1d_prefill(
         # history first, so output i sees the W - 1 inputs before token i even across calls
         inputs = torch.cat([conv_pool[slot].float(), x[s].T.float()], dim=1)
         out[s] = F.silu(F.conv1d(inputs[None], kernel, groups=channels)[0]).T
+        if 0 < saves[n] <= s.stop - s.start:  # the history after its first save_at tokens
+            conv_pool[targets[n]] = inputs[:, saves[n] : saves[n] + history_len]
         conv_pool[slot] = inputs[:, inputs.shape[1] - history_len :]
     return out
 
