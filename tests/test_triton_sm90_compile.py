@@ -20,6 +20,7 @@ from pdserve.ops import (  # noqa: E402
     cuda_conv,
     cuda_gdn,
     cuda_gdn_decode,
+    cuda_gdn_recurrent,
     cuda_layers,
     cuda_moe,
     cuda_norms,
@@ -115,7 +116,7 @@ KERNELS = {
     ),
     **{
         f"gdn_segments{'_saving' if saves else ''}{'_prefetch' if prefetch else ''}": (
-            cuda_gdn._gdn_segments_kernel,
+            cuda_gdn_recurrent._gdn_segments_kernel,
             {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
              "state_ptr": "*fp32", "slot_ptr": "*i64", "cu_ptr": "*i32", "o_ptr": "*bf16",
              "save_at_ptr": "*i32" if saves else "*i64", "save_to_ptr": "*i64",

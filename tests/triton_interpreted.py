@@ -20,6 +20,7 @@ from pdserve.ops import (
     cuda_attention,
     cuda_conv,
     cuda_gdn,
+    cuda_gdn_recurrent,
     cuda_layers,
     cuda_moe,
     cuda_norms,
@@ -181,12 +182,14 @@ def check_gdn_prefill(gen: torch.Generator) -> None:
     saved = reference.gdn_recurrent_prefill(q, k, v, g, beta, cu, saved_pool, ids, save_at, save_to)
     for prefetch in (False, True):  # inputs loaded as each step needs them, or a step ahead
         got_pool = pool.clone()
-        got = cuda_gdn.gdn_recurrent_prefill(q, k, v, g, beta, cu, got_pool, ids, 16, prefetch=prefetch)
+        got = cuda_gdn_recurrent.gdn_recurrent_prefill(
+            q, k, v, g, beta, cu, got_pool, ids, 16, prefetch=prefetch
+        )
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-4)
         # checkpoints on the way (after 3 of 4 tokens, 9 of 9, none) = the reference's copies
         args = (q, k, v, g, beta, cu, got_pool, ids, 16, 4, save_at, save_to, prefetch)
-        got = cuda_gdn.gdn_recurrent_prefill(*args)
+        got = cuda_gdn_recurrent.gdn_recurrent_prefill(*args)
         torch.testing.assert_close(got, saved, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_pool, saved_pool, rtol=1e-4, atol=1e-4)
         assert not torch.equal(got_pool[1], pool[1]) and not torch.equal(got_pool[2], pool[2])

@@ -8,7 +8,7 @@ so the host's time to launch a call and the GPU's time to run it are measured ap
 pass is host-bound when the first is the larger. Prints both for each op and (sequences, length),
 and the longest length at which the recurrent op's larger of the two is still the smaller:
 `pdserve.model.mid_pass_saves.RECURRENT_MAX_CUDA`. `--prefetch`: the recurrent op's variant that
-loads each token's inputs a step ahead, beside it (`cuda_gdn.RECURRENT_PREFETCH`).
+loads each token's inputs a step ahead, beside it (`cuda_gdn_recurrent.RECURRENT_PREFETCH`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--prefetch", action="store_true", help="also the recurrent op loading a step ahead")
     args = parser.parse_args()
-    from pdserve.ops.cuda_gdn import gdn_recurrent_prefill
+    from pdserve.ops.cuda_gdn_recurrent import gdn_recurrent_prefill
 
     ahead = " | prefetching host / GPU ms" if args.prefetch else ""
     print(f"sequences x length: chunked host / GPU ms | recurrent host / GPU ms | cost ratio{ahead}")

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from pdserve.ops.cuda_attention import paged_attention, store_kv
 from pdserve.ops.cuda_conv import causal_conv1d_prefill, causal_conv1d_step
-from pdserve.ops.cuda_gdn import gdn_chunk_prefill, gdn_recurrent_prefill, gdn_recurrent_step
+from pdserve.ops.cuda_gdn import gdn_chunk_prefill, gdn_recurrent_step
+from pdserve.ops.cuda_gdn_recurrent import gdn_recurrent_prefill
 
 __all__ = [
     "causal_conv1d_prefill",
