@@ -106,7 +106,8 @@ def test_graph_replays_equal_eager_passes_on_cuda(
     passes, with the greedy tokens of the same engine's eager passes."""
     monkeypatch.setattr(prefill_graphs, "SEQ_BUCKETS", (3, 5))  # a short capture for the test
     monkeypatch.setattr(prefill_graphs, "MAX_TOKENS", 256)
-    args = {"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.3}
+    # fp32: a padded pass's GEMMs have other sizes than the eager pass's, and may round apart
+    args = {"device": "cuda", "dtype": "float32", "gpu_memory_utilization": 0.3}
     eager = tiny_llm(tiny_model_dir, **args)
     want = _chat_turns(eager)[:2]
     del eager
