@@ -7,8 +7,9 @@ Each op is called `--calls` times back to back while the GPU is held busy (`torc
 so the host's time to launch a call and the GPU's time to run it are measured apart: a prefill
 pass is host-bound when the first is the larger. Prints both for each op and (sequences, length),
 and the longest length at which the recurrent op's larger of the two is still the smaller:
-`pdserve.model.mid_pass_saves.RECURRENT_MAX_CUDA`. `--prefetch`: the recurrent op's variant that
-loads each token's inputs a step ahead, beside it (`cuda_gdn_recurrent.RECURRENT_PREFETCH`).
+`pdserve.model.mid_pass_saves.RECURRENT_MAX_CUDA`. `--other-prefetch`: beside it, the recurrent op
+with each token's inputs loaded the other way than `cuda_gdn_recurrent.RECURRENT_PREFETCH` says (on:
+a step ahead).
 """
 
 from __future__ import annotations
@@ -61,11 +62,14 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2, 16, 64, 128, 271, 512, 1024])
     parser.add_argument("--sequences", type=int, nargs="+", default=[1, 8, 26])
     parser.add_argument("--calls", type=int, default=30)
-    parser.add_argument("--prefetch", action="store_true", help="also the recurrent op loading a step ahead")
+    parser.add_argument(
+        "--other-prefetch", action="store_true", help="also the recurrent op with RECURRENT_PREFETCH flipped"
+    )
     args = parser.parse_args()
-    from pdserve.ops.cuda_gdn_recurrent import gdn_recurrent_prefill
+    from pdserve.ops.cuda_gdn_recurrent import RECURRENT_PREFETCH, gdn_recurrent_prefill
 
-    ahead = " | prefetching host / GPU ms" if args.prefetch else ""
+    other = not RECURRENT_PREFETCH
+    ahead = f" | prefetch={other} host / GPU ms" if args.other_prefetch else ""
     print(f"sequences x length: chunked host / GPU ms | recurrent host / GPU ms | cost ratio{ahead}")
     for num_seqs in args.sequences:
         longest = 0
@@ -75,8 +79,8 @@ def main() -> None:
             recurrent = timed(lambda t=tensors: ops.gdn_recurrent_prefill(*t), args.calls)
             ratio = max(recurrent) / max(chunked)
             longest = length if ratio < 1 else longest
-            if args.prefetch:
-                fetched = timed(lambda t=tensors: gdn_recurrent_prefill(*t, prefetch=True), args.calls)
+            if args.other_prefetch:
+                fetched = timed(lambda t=tensors: gdn_recurrent_prefill(*t, prefetch=other), args.calls)
                 ahead = f" | {fetched[0]:.3f} / {fetched[1]:.3f}"
             print(
                 f"{num_seqs:3d} x {length:5d}: {chunked[0]:.3f} / {chunked[1]:.3f} | "
