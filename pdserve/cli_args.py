@@ -47,7 +47,7 @@ _HELP = {
     "--enable-prefix-caching": "the hybrid prefix cache (on by default): shared KV pages + GDN state "
     "checkpoints; --no-enable-prefix-caching turns it off",
     "--prefill-graphs": "replay small prefill passes (chat turns: up to 512 tokens, 64 sequences, "
-    "short chunks) from CUDA graphs captured at start (off until measured on the GPU)",
+    "short chunks) from CUDA graphs captured at start (off until measured served)",
     "--dtype": "model dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16",
     "--load-format": "auto (safetensors) or dummy (random weights, for benchmarks)",
     "--dummy-weight-seed": "seed of the random weights of --load-format dummy (default 0)",

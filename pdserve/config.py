@@ -45,7 +45,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     recurrent_state_dtype: str | torch.dtype = "float32"
     enforce_eager: bool = False  # True: no CUDA graphs for decode (vLLM's flag)
-    # CUDA graphs for small prefill passes too (pdserve.engine.prefill_graphs); off until measured
+    # CUDA graphs for small prefill passes too (pdserve.engine.prefill_graphs); off until measured served
     prefill_graphs: bool = False
     enable_prefix_caching: bool = True  # the hybrid prefix cache (docs/prefix-cache.md), as vLLM
     prefix_block_size: int = 64  # tokens per cache block (a multiple of page_size)
