@@ -80,6 +80,23 @@ def _check_gdn(
     return shapes
 
 
+def _check_pass(
+    shapes: _Shapes,
+    cu_seqlens: torch.Tensor,
+    save_at: torch.Tensor | None = None,
+    save_to: torch.Tensor | None = None,
+) -> None:
+    """A packed pass's sequence boundaries (int32 [N+1]) and, when given, the checkpoint each
+    sequence saves on the way: after save_at (int32 [N]) tokens, to save_to (int64 [N])."""
+    shapes.fix("N+1", shapes.sizes["N"] + 1)
+    shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
+    if (save_at is None) != (save_to is None):
+        raise ValueError(f"{shapes.op}: save_at and save_to go together")
+    if save_at is not None and save_to is not None:
+        shapes("save_at", save_at, "N", torch.int32)
+        shapes("save_to", save_to, "N", torch.int64)
+
+
 def gdn_chunk_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -104,8 +121,7 @@ def gdn_chunk_prefill(
     shapes = _check_gdn(
         "gdn_chunk_prefill", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="T", sequences="N"
     )
-    shapes.fix("N+1", shapes.sizes["N"] + 1)
-    shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
+    _check_pass(shapes, cu_seqlens)
     if chunk_size <= 0:
         raise ValueError(f"gdn_chunk_prefill: chunk_size must be positive, got {chunk_size}")
     return _implementation(q).gdn_chunk_prefill(
@@ -135,13 +151,7 @@ def gdn_recurrent_prefill(
     shapes = _check_gdn(
         "gdn_recurrent_prefill", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="T", sequences="N"
     )
-    shapes.fix("N+1", shapes.sizes["N"] + 1)
-    shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
-    if (save_at is None) != (save_to is None):
-        raise ValueError("gdn_recurrent_prefill: save_at and save_to go together")
-    if save_at is not None and save_to is not None:
-        shapes("save_at", save_at, "N", torch.int32)
-        shapes("save_to", save_to, "N", torch.int64)
+    _check_pass(shapes, cu_seqlens, save_at, save_to)
     return _implementation(q).gdn_recurrent_prefill(
         q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids, save_at=save_at, save_to=save_to
     )
@@ -206,13 +216,7 @@ def causal_conv1d_prefill(
     Returns out: [T, C] in x's dtype (computed in fp32).
     """
     shapes = _check_conv("causal_conv1d_prefill", x, weight, conv_pool, slot_ids, tokens="T", sequences="N")
-    shapes.fix("N+1", shapes.sizes["N"] + 1)
-    shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
-    if (save_at is None) != (save_to is None):
-        raise ValueError("causal_conv1d_prefill: save_at and save_to go together")
-    if save_at is not None and save_to is not None:
-        shapes("save_at", save_at, "N", torch.int32)
-        shapes("save_to", save_to, "N", torch.int64)
+    _check_pass(shapes, cu_seqlens, save_at, save_to)
     return _implementation(x).causal_conv1d_prefill(
         x, weight, cu_seqlens, conv_pool, slot_ids, save_at=save_at, save_to=save_to
     )

@@ -67,12 +67,11 @@ def meta_pass(
     if batch.saves is None:
         raise ValueError(f"{prompts}x{length}: fla's chunked scan, which cannot run on the meta device")
     _on_meta(batch)
-    if batch.saves is not None:
-        _on_meta(batch.saves)
-        for piece in batch.saves.pieces:
-            _on_meta(piece)
-            cap = mid_pass_saves.RECURRENT_MAX_CUDA  # as planned on CUDA: short pieces recurrent
-            piece.recurrent = piece.recurrent or (two_pieces and length <= cap)
+    _on_meta(batch.saves)
+    for piece in batch.saves.pieces:
+        _on_meta(piece)
+        cap = mid_pass_saves.RECURRENT_MAX_CUDA  # as planned on CUDA: short pieces recurrent
+        piece.recurrent = piece.recurrent or (two_pieces and length <= cap)
     return batch
 
 
@@ -106,8 +105,8 @@ def main() -> None:
                 for _ in range(args.runs):
                     model(batch)
             host_ms = (time.perf_counter() - start) / args.runs * 1e3
-            pieces = len(batch.saves.pieces) if batch.saves is not None else "fla, no"
-            print(f"{spec}{' (two pieces)' if two else ''}: {pieces} scan piece(s), host {host_ms:.1f} ms, "
+            plan = f"{' (two pieces)' if two else ''}: {len(batch.saves.pieces)} scan piece(s)"
+            print(f"{spec}{plan}, host {host_ms:.1f} ms, "
                   f"{sum(LAUNCHES.values()) // args.runs} Triton launches", flush=True)  # fmt: skip
 
 

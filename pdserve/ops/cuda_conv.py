@@ -119,15 +119,29 @@ def causal_conv1d_prefill(
         num_tokens, channels, x.stride(0), weight.stride(0), conv_pool.stride(0), out.stride(0),
         HIST=history_len, **tile,
     )  # fmt: skip
-    history_grid = (slot_ids.shape[0], triton.cdiv(channels, 256))
-    saves = (save_at, save_to) if save_at is not None and save_to is not None else ()
-    for save in (True, False) if saves else (False,):  # checkpoints first: they read the old history
-        _conv_history_kernel[history_grid](
-            x, conv_pool, slot_ids, cu_seqlens, *(saves or (slot_ids, slot_ids)), channels,
-            x.stride(0), conv_pool.stride(0),
-            HIST=history_len, H_PAD=triton.next_power_of_2(history_len), BC=256, SAVE=save,
-        )  # fmt: skip
+    if save_at is not None and save_to is not None:  # first: they read the slots' old history
+        _histories(x, conv_pool, slot_ids, cu_seqlens, save_at, save_to)
+    _histories(x, conv_pool, slot_ids, cu_seqlens)
     return out
+
+
+def _histories(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    save_at: torch.Tensor | None = None,
+    save_to: torch.Tensor | None = None,
+) -> None:
+    """Each slot's new history (`_conv_history_kernel`); with save_at / save_to, the checkpoints'
+    histories instead (the slots left as they are)."""
+    saving = save_at is not None and save_to is not None
+    history_len, channels = conv_pool.shape[2], x.shape[1]
+    _conv_history_kernel[(slot_ids.shape[0], triton.cdiv(channels, 256))](
+        x, conv_pool, slot_ids, cu_seqlens, save_at if saving else slot_ids, save_to if saving else slot_ids,
+        channels, x.stride(0), conv_pool.stride(0),
+        HIST=history_len, H_PAD=triton.next_power_of_2(history_len), BC=256, SAVE=saving,
+    )  # fmt: skip
 
 
 @triton.jit

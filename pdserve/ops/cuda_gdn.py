@@ -111,15 +111,7 @@ def _gdn_step_kernel(
 ):
     """One (sequence, value head, block of BV value columns): the whole [DK, BV] state tile is read
     once, decayed, delta-updated, read out by q and written back where it was."""
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b = pid_bh // HV
-    hv = pid_bh % HV
-    hk = hv // GROUP
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < DK
-    mask_v = offs_v < DV
+    b, hv, hk, offs_k, offs_v, mask_k, mask_v = head_tile(HV, GROUP, DK, DV, BK, BV)
 
     q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -132,6 +124,17 @@ def _gdn_step_kernel(
     s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
     out = delta_rule_step(s_ptrs, mask_k[:, None] & mask_v[None, :], q, k, v, decay, beta)
     tl.store(o_ptr + b * stride_ob + hv * stride_oh + offs_v, out.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
+def head_tile(HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """A program of the (row x value head, block of BV value columns) grid: its row, value head,
+    key head, key offsets [BK], value offsets [BV] and their masks."""
+    hv = tl.program_id(0) % HV
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    return tl.program_id(0) // HV, hv, hv // GROUP, offs_k, offs_v, offs_k < DK, offs_v < DV
 
 
 @triton.jit

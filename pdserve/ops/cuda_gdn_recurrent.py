@@ -9,7 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops.cuda_gdn import _L2NORM_EPS, _last_dim_contiguous, delta_rule_update, l2_normed_qk
+from pdserve.ops.cuda_gdn import (
+    _L2NORM_EPS,
+    _last_dim_contiguous,
+    delta_rule_update,
+    head_tile,
+    l2_normed_qk,
+)
 
 
 @triton.jit
@@ -26,15 +32,7 @@ def _gdn_segments_kernel(
     the sequence's checkpoint slot after its first save_at tokens. PREFETCH: each token's inputs
     are loaded one step ahead, so their memory latency overlaps the step before (the loop is a
     chain of dependent steps, each otherwise waiting for its loads)."""
-    pid_nh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    n = pid_nh // HV
-    hv = pid_nh % HV
-    hk = hv // GROUP
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < DK
-    mask_v = offs_v < DV
+    n, hv, hk, offs_k, offs_v, mask_k, mask_v = head_tile(HV, GROUP, DK, DV, BK, BV)
     start = tl.load(cu_ptr + n).to(tl.int64)
     end = tl.load(cu_ptr + n + 1).to(tl.int64)
     # an empty sequence (a padded graph's) moves no state (a tensor compare: the interpreter
