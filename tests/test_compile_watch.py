@@ -34,13 +34,41 @@ def test_chained_hook_keeps_the_earlier_hooks_answer() -> None:
     assert _chained(None, print) is print
 
 
+def test_specialisation_names_what_tells_two_builds_apart() -> None:
+    """Triton 3.6's compile record (its own `repr` reads the cache key as a tuple and names no
+    types): types, the multiple-of-16 mark, constexprs and an int equal to 1 (a constant)."""
+    record = {
+        "signature": {
+            "x_ptr": "*bf16",
+            "n": "i32",
+            "rows": "constexpr",
+            "ids_ptr": "*i32",
+            "BLOCK": "constexpr",
+        },
+        "constants": {(2,): 1, (4,): 128},
+        "configs": [{(0,): [["tt.divisibility", 16]], (1,): [], (3,): []}],
+        "num_warps": 8,
+        "num_stages": 3,
+    }
+    fn = types.SimpleNamespace(name="scale_kernel")
+    text = compile_watch.specialisation(
+        {"key": "k", "repr": "scale_kernel[...](x_ptr: ())", "fn": fn, "compile": record}
+    )
+    assert text.startswith("scale_kernel[num_warps=8, num_stages=3](")
+    assert text.endswith("(x_ptr: *bf16 %16, n: i32, rows=1, ids_ptr: *i32, BLOCK=128)")
+    assert compile_watch.specialisation({"key": "k", "repr": "older triton"}) == "older triton"
+
+
 def test_describe_groups_by_kernel_costliest_first() -> None:
     compiled = [compile_watch.Compiled(f"l2norm[num_warps={w}](x: *bf16)", 0.5) for w in (1, 2, 4)]
     compiled += [compile_watch.Compiled("moe[num_warps=8](a: *bf16)", 1.25)]
     compiled += [compile_watch.Compiled(f"k{i}(x: i32)", 0.01 * i) for i in range(1, 4)]
     text = compile_watch.describe(compiled, limit=3)
     assert text.startswith("l2norm x3 (1.50 s); moe x1 (1.25 s); k3 x1 (0.03 s), and 2 more kernels")
-    assert text.endswith("; slowest: moe[num_warps=8](a: *bf16) (1.25 s)")
+    slowest = (
+        "moe[num_warps=8](a: *bf16) (1.25 s), l2norm[num_warps=1](x: *bf16) (0.50 s), l2norm[num_warps=2]"
+    )
+    assert text.endswith(f"; slowest: {slowest}(x: *bf16) (0.50 s)")
     assert compile_watch.describe([]) == ""
 
 
@@ -86,5 +114,12 @@ def test_install_sees_a_real_triton_compile() -> None:
     scale_kernel[(1,)](x, 100, FACTOR=3, BLOCK=128)  # built already: not seen again
     torch.cuda.synchronize()
     seen = compile_watch.take()
-    assert len(seen) == 1 and "scale_kernel" in seen[0].kernel and seen[0].seconds > 0
+    assert len(seen) == 1 and seen[0].seconds > 0
+    assert (
+        "scale_kernel[num_warps=4" in seen[0].kernel
+        and "x_ptr: *fp32 %16, n: i32, FACTOR=3, BLOCK=128" in seen[0].kernel
+    )
+    scale_kernel[(1,)](x, 96, FACTOR=3, BLOCK=128)  # n a multiple of 16: a second build
+    torch.cuda.synchronize()
+    assert "n: i32 %16" in compile_watch.take()[0].kernel
     assert x[0].item() == 9.0

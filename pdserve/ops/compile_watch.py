@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
+SIGNATURES = 3  # builds whose whole signature a log line names, the slowest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class CompileWatch:
         now = time.perf_counter()
         with self._lock:
             started = self._started.pop(str(kw.get("key")), now)
-            self._done.append(Compiled(str(kw.get("repr") or kw.get("key")), now - started))
+            self._done.append(Compiled(specialisation(kw), now - started))
 
     def take(self) -> list[Compiled]:
         with self._lock:
@@ -88,16 +89,40 @@ def take() -> list[Compiled]:
 
 def describe(compiled: list[Compiled], limit: int = 4) -> str:
     """A log fragment naming every kernel that compiled, the costliest first, as its name, how
-    many specialisations of it and their seconds, then the slowest one's full signature (an
-    autotuner trying its configs shows as one name with many specialisations)."""
+    many specialisations of it and their seconds, then the SIGNATURES slowest builds' full
+    signatures (an autotuner trying its configs shows as one name with many specialisations)."""
     by_name: dict[str, list[Compiled]] = {}
     for c in compiled:
         by_name.setdefault(c.kernel.split("[", 1)[0].split("(", 1)[0], []).append(c)
     groups = sorted(by_name.items(), key=lambda item: -sum(c.seconds for c in item[1]))
     parts = [f"{name} x{len(cs)} ({sum(c.seconds for c in cs):.2f} s)" for name, cs in groups[:limit]]
     more = f", and {len(groups) - limit} more kernels" if len(groups) > limit else ""
-    slowest = max(compiled, key=lambda c: c.seconds) if compiled else None
-    return "; ".join(parts) + more + (f"; slowest: {slowest}" if slowest else "")
+    slowest = sorted(compiled, key=lambda c: -c.seconds)[:SIGNATURES]
+    return "; ".join(parts) + more + (f"; slowest: {', '.join(map(str, slowest))}" if slowest else "")
+
+
+def specialisation(hook_kw: dict[str, Any]) -> str:
+    """A compile hook's kernel as `name[num_warps=W, num_stages=S](x_ptr: *bf16 %16, n: i32,
+    BLOCK=128)`: each argument's type, `%16` where Triton specialised it as a multiple of 16
+    (pointers aligned to 16 bytes, ints divisible by 16), and each constexpr's value (an int
+    argument equal to 1 shows as `=1`: Triton builds it as a constant). What tells two builds of
+    one kernel apart. From the hook's `compile` record; its `repr` when that has no signature."""
+    record = hook_kw.get("compile") or {}
+    signature: dict[str, str] = record.get("signature") or {}
+    fn = hook_kw.get("fn")
+    if not signature or fn is None:
+        return str(hook_kw.get("repr") or hook_kw.get("key"))
+    constants = record.get("constants") or {}
+    attrs = (record.get("configs") or [{}])[0] or {}
+    args = []
+    for i, (arg, kind) in enumerate(signature.items()):
+        if kind == "constexpr":
+            args.append(f"{arg}={constants.get((i,), constants.get(arg))}")
+            continue
+        multiple = any(attr[0] == "tt.divisibility" for attr in attrs.get((i,), []))
+        args.append(f"{arg}: {kind}{' %16' if multiple else ''}")
+    options = f"num_warps={record.get('num_warps')}, num_stages={record.get('num_stages')}"
+    return f"{getattr(fn, 'name', fn)}[{options}]({', '.join(args)})"
 
 
 def _chained(previous: Any, hook: Any) -> Any:

@@ -13,7 +13,7 @@ import triton.language as tl
 from pdserve.ops.per_pass import PerPass
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one build for every pass size
 def _conv_prefill_kernel(
     x_ptr, w_ptr, pool_ptr, slot_ptr, seq_ptr, cu_ptr, out_ptr,
     T, C, stride_xt, stride_wc, stride_ps, stride_ot,

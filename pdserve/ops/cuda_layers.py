@@ -138,7 +138,7 @@ def gdn_decay(x, a_log):
     return -tl.exp(a_log) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one build for every pass size
 def _gdn_gates_kernel(
     a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,
     stride_at, stride_bt, T, HV, BT: tl.constexpr, BH: tl.constexpr,

@@ -19,7 +19,7 @@ from pdserve.ops.cuda_route import align_pairs, padded_rows, route_topk
 from pdserve.ops.cuda_route_align import ROUTE_ALIGN_TOKENS, route_align
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # one build a tile config, whatever the pass size
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, pair_ptr, ids_ptr, weight_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_cm, top_k, num_blocks,

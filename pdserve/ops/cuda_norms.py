@@ -105,7 +105,7 @@ def _head_rows_launch(num_rows: int, dim: int) -> tuple[tuple[int], dict[str, in
     return (triton.cdiv(num_rows, rows),), dict(ROWS=rows, BLOCK=block, num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one build for every pass size
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
     stride_xt, stride_xh, stride_zt, stride_zh, num_rows, H, D, eps,
