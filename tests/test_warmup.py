@@ -52,12 +52,16 @@ def test_warm_up_passes_cover_every_size(engine: LLMEngine) -> None:
     assert [sum(map(len, p)) for p in plain] == [16, 15, 32, 31, 64, 63, 64, 128, 127, 128]
     assert [len(p) for p in plain[6]] == [32, 32]
     passes = warm_up_passes(bigger, suffix)
-    chats = [p for p in passes if p not in plain]
+    chats = [p for p in passes if all(tuple(q[-len(suffix) :]) == suffix for q in p)]
+    assert [sum(map(len, p)) for p in passes if p not in chats] == [sum(map(len, p)) for p in plain]
     assert chats and all(tuple(q[-len(suffix) :]) == suffix for p in chats for q in p)
     assert any(len(p) == 4 for p in chats)  # packed chat prompts: checkpoints inside one pass
     follow_ups = [(a, b) for a, b in zip(chats, chats[1:], strict=False) if all(
         len(y) > len(x) and y[: len(x)] == x for x, y in zip(a, b, strict=True))]  # fmt: skip
     assert len(follow_ups) == len(chats) // 2
+    # no prompt starts as another does but a follow-up as its turn: nothing else hits the cache
+    starts = [tuple(q[:4]) for p in passes for q in p]  # a cache key chains from the first block
+    assert len(set(starts)) == len(starts) - sum(len(b) for _, b in follow_ups)
 
     run = warm_up_passes(engine, suffix)  # what the test below runs: the sizes up to 64
     assert run == passes[: len(run)] and sum(map(len, passes[len(run)])) == 128
@@ -79,7 +83,9 @@ def test_warm_up_runs_every_pass_and_leaves_nothing(
     warm_up(engine, seen.append)
     assert len(seen) == len(passes)
     assert "resume" in saved  # saved inside a pass, at the generation prompt
-    assert "resume" in restored  # follow-up turns started from that checkpoint
+    follow_ups = sum(len(b) for a, b in zip(passes, passes[1:], strict=False) if all(
+        y[: len(x)] == x for x, y in zip(a, b, strict=True)))  # fmt: skip
+    assert restored and set(restored) == {"resume"} and len(restored) <= follow_ups  # only theirs
     assert not cache.entries and cache.stats.report() == type(cache.stats)().report()
     assert_no_leaks(engine)  # (clears the cache first: its entries are checked above)
     assert cache.resume_suffixes == []  # set by the serving roles, not by warm-up
