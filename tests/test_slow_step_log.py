@@ -59,6 +59,27 @@ def test_step_log_has_a_line_per_pass(plain_llm: LLM, monkeypatch: pytest.Monkey
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
 
 
+def test_step_log_counts_prefix_hits_by_source(
+    cached_llm: LLM, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """With the prefix cache, the line of the pass that reused a cached prefix says so (`hits` by
+    source since the line before); the lines of passes that reused nothing have no `hits`."""
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(step_log.ENV, str(path))
+    engine = cached_llm.engine
+    thread = EngineThread(engine, on_outputs=lambda outputs: None, on_error=lambda ids, why: None)
+    (prompt,) = random_prompts((300,), seed=54)
+    for follow_up in ([], [7] * 20):  # the second prompt begins with the first, whose end is cached
+        engine.add_request(prompt + follow_up, SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            thread._safe_step()
+    thread.step_log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    passes = [line for line in lines if line["chunks"]]
+    assert len(passes) == 2 and "hits" not in passes[0] and passes[1]["hits"] == {"gpu": 1}
+    assert sum("hits" in line for line in lines) == 1
+
+
 def test_a_step_held_past_the_limit_is_reported_stuck(
     plain_llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:

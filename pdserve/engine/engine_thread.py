@@ -160,7 +160,11 @@ class EngineThread:
         self.on_step(took)
         if self.step_log.enabled:
             engine = self.engine
-            self.step_log.record(start, took, engine.last_pass, engine.scheduler, engine.background.host_s)
+            cache = engine.prefix_cache
+            stats = cache.stats if cache is not None else None
+            self.step_log.record(
+                start, took, engine.last_pass, engine.scheduler, engine.background.host_s, stats
+            )
         compiled = compile_watch.take()  # Triton kernels built in this step (with the watch on)
         if took > SLOW_STEP_S or compiled:
             s = self.engine.scheduler

@@ -4,7 +4,10 @@
 Each line: `t` (perf_counter at the step's start, s), `s` (its wall time, s), and what the pass it
 launched ran: `decode` rows, prefill `chunks` and their `tokens`, checkpoint `saves`, and the
 scheduler's `running` / `waiting` counts after it; with a background pass in flight, `bg_ms`: the
-host time the step spent starting, launching and ending it. A step that launched nothing writes no line.
+host time the step spent starting, launching and ending it; with the prefix cache, `hits` (requests
+that started from a cached prefix since the line before, by source: "gpu", "host", "peer") and
+`evicted` (entries dropped), where not zero: a chat turn's pass that restored its checkpoints from
+the host tier waited on those copies. A step that launched nothing writes no line.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from typing import TextIO
 
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+from pdserve.prefix_stats import PrefixStats
 
 ENV = "PDSERVE_STEP_LOG"
 logger = logging.getLogger(__name__)
@@ -25,6 +29,7 @@ class StepLog:
         path = path if path is not None else os.environ.get(ENV)
         self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
         self._last: list[ScheduledSeq] | None = None
+        self._seen = PrefixStats()  # the cache's counters at the line before
 
     @property
     def enabled(self) -> bool:
@@ -37,6 +42,7 @@ class StepLog:
         last_pass: list[ScheduledSeq],
         scheduler: Scheduler,
         background_s: float = 0.0,
+        cache_stats: PrefixStats | None = None,
     ) -> None:
         """One line for the step that began at `start`, when it launched a pass (`last_pass` is new)."""
         if self._file is None or not last_pass or last_pass is self._last:
@@ -55,11 +61,25 @@ class StepLog:
         }
         if background_s:
             line["bg_ms"] = round(1000 * background_s, 3)
+        if cache_stats is not None:
+            line.update(self._cache_delta(cache_stats))
         try:
             self._file.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk must not stop the engine: the log stops instead
             logger.warning("step log stopped: %s", e)
             self.close()
+
+    def _cache_delta(self, stats: PrefixStats) -> dict:
+        """`hits` by source and `evicted` since the last call, the zero ones left out."""
+        hits = {k: n - self._seen.hit_requests.get(k, 0) for k, n in stats.hit_requests.items()}
+        evicted = stats.evicted - self._seen.evicted
+        self._seen = PrefixStats(hit_requests=dict(stats.hit_requests), evicted=stats.evicted)
+        delta: dict = (
+            {"hits": {k: n for k, n in hits.items() if n > 0}} if any(n > 0 for n in hits.values()) else {}
+        )
+        if evicted > 0:
+            delta["evicted"] = evicted
+        return delta
 
     def close(self) -> None:
         if self._file is not None:
