@@ -1,10 +1,14 @@
 """Profile one eager prefill pass at the full Qwen3.6-35B-A3B shape (random bf16 weights):
 `python -m pdserve.ops.bench_prefill_step 1x1024 4x1024 8x1024 1x8192`.
 
-Each argument `PxL` is a pass of `P` fresh prompts of `L` tokens. After two untimed runs (Triton
-compiles and autotunes there), prints the wall time of the pass (to its logits on the host), the
-GPU kernel time inside it, the host-device syncs it makes, and torch.profiler's kernels by time:
-the pass's wall minus its kernel time is what the GPU waited for the host.
+Each argument `PxL[@S][+C]` is a pass of `P` prompts of `L` new tokens, each saving a checkpoint
+after `S` of them (a chat prompt's resume point) and each after `C` tokens of cached context (the
+KV pages it attends to hold whatever the pool held): a chat turn's pass is `30x271@267+2200`, so
+`30x271 30x271@267 30x271+2200 30x271@267+2200` beside `4x2048` part its cost. After two
+untimed runs (Triton compiles and autotunes there), prints the wall time of the pass (to its
+logits on the host), the GPU kernel time inside it, the host-device syncs it makes, and
+torch.profiler's kernels by time: the pass's wall minus its kernel time is what the GPU waited
+for the host.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,17 +39,48 @@ from pdserve.ops.bench_step import append_json_lines
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def prefill_batch(runner: ModelRunner, prompts: int, length: int) -> tuple[ForwardBatch, list, list]:
-    """A pass of fresh prompts, and the KV pages and state slots it holds."""
+@dataclass(frozen=True)
+class PassSpec:
+    """`PxL[@S][+C]`: P prompts of L new tokens, saving after S, after C cached tokens each."""
+
+    prompts: int
+    length: int
+    save_at: int = 0  # 0: no checkpoint inside the pass
+    context: int = 0
+
+    @staticmethod
+    def parse(text: str) -> PassSpec:
+        size, _, context = text.partition("+")
+        size, _, save = size.partition("@")
+        prompts, length = (int(x) for x in size.split("x"))
+        spec = PassSpec(prompts, length, int(save or 0), int(context or 0))
+        if not 0 <= spec.save_at < spec.length or min(prompts, length) < 1 or spec.context < 0:
+            raise ValueError(f"{text}: want PxL[@S][+C] with P, L >= 1, 0 < S < L, C >= 0")
+        return spec
+
+    def __str__(self) -> str:
+        save = f", saving after {self.save_at}" if self.save_at else ""
+        return (
+            f"{self.prompts} x {self.length}{save}{f', after {self.context} cached' if self.context else ''}"
+        )
+
+
+def prefill_batch(runner: ModelRunner, spec: PassSpec) -> tuple[ForwardBatch, list, list]:
+    """A pass as `spec` says, and the KV pages and state slots (checkpoints too) it holds."""
     kv, states = runner.kv_pool, runner.state_pool
+    prompts, length, context = spec.prompts, spec.length, spec.context
     gen = torch.Generator().manual_seed(prompts * length)
     ids = torch.randint(0, 200_000, (prompts, length), generator=gen).tolist()
-    tables = [kv.allocate(kv.pages_for(length)) for _ in range(prompts)]
+    tables = [kv.allocate(kv.pages_for(context + length)) for _ in range(prompts)]
     slots = [states.allocate() for _ in range(prompts)]
-    batch = ForwardBatch.build(ids, [0] * prompts, tables, slots, runner.config.page_size, runner.device)
-    history = runner.config.model_config.linear_conv_kernel_dim - 1  # the engine's scan plan, no saves
-    batch.saves = MidPassSaves.build([length] * prompts, slots, [[]] * prompts, history, runner.device)
-    return batch, tables, slots
+    checkpoints = [states.allocate() for _ in range(prompts)] if spec.save_at else []
+    batch = ForwardBatch.build(
+        ids, [context] * prompts, tables, slots, runner.config.page_size, runner.device
+    )
+    saves = [[(spec.save_at, ck)] for ck in checkpoints] or [[]] * prompts
+    history = runner.config.model_config.linear_conv_kernel_dim - 1  # the engine's scan plan
+    batch.saves = MidPassSaves.build([length] * prompts, slots, saves, history, runner.device)
+    return batch, tables, slots + checkpoints
 
 
 def sync_sites(runner: ModelRunner, batch: ForwardBatch) -> collections.Counter:
@@ -88,8 +124,9 @@ def run_pass(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
     return runner.model.compute_logits(hidden[batch.logits_indices]).float().cpu()
 
 
-def profile(runner: ModelRunner, prompts: int, length: int, show_host: bool = False) -> dict:
-    batch, tables, slots = prefill_batch(runner, prompts, length)
+def profile(runner: ModelRunner, spec: PassSpec, show_host: bool = False) -> dict:
+    batch, tables, slots = prefill_batch(runner, spec)
+    prompts, length = spec.prompts, spec.length
     for _ in range(2):
         run_pass(runner, batch)
     torch.cuda.synchronize()
@@ -115,8 +152,9 @@ def profile(runner: ModelRunner, prompts: int, length: int, show_host: bool = Fa
     kernel_ms = sum(k[1] for k in kernels)
     tokens = prompts * length
     rate = tokens / wall_ms * 1e3
+    pieces = len(batch.saves.pieces) if batch.saves else "chunked"
     print(
-        f"\n{prompts} x {length} ({tokens} tokens): wall {wall_ms:.1f} ms ({rate:,.0f} tok/s), "
+        f"\n{spec} ({tokens} tokens, {pieces} scan pieces): wall {wall_ms:.1f} ms ({rate:,.0f} tok/s), "
         f"GPU kernels {kernel_ms:.1f} ms ({kernel_ms / wall_ms:.0%} busy), {launches} launches"
     )
     for key, (count, ms) in sorted(syncs.items()):
@@ -127,33 +165,36 @@ def profile(runner: ModelRunner, prompts: int, length: int, show_host: bool = Fa
         print(host_profile(runner, batch))
     for name, ms, count in kernels[:18]:
         print(f"  {ms:8.2f} ms {count:5d}x  {name[:96]}")
-    for table, slot in zip(tables, slots, strict=True):
+    for table in tables:
         runner.kv_pool.free(table)
+    for slot in slots:
         runner.state_pool.free(slot)
     top = [(n[:120], t, c) for n, t, c in kernels[:30]]
-    return {"prompts": prompts, "length": length, "wall_ms": wall_ms, "kernel_ms": kernel_ms,
+    return {"prompts": prompts, "length": length, "save_at": spec.save_at, "context": spec.context,
+            "wall_ms": wall_ms, "kernel_ms": kernel_ms,
             "launches": launches, "syncs": syncs, "top": top}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("passes", nargs="+", help="PxL: P prompts of L tokens in one pass")
+    parser.add_argument("passes", nargs="+", help="PxL[@S][+C]: P prompts of L tokens in one pass")
     parser.add_argument("--host", action="store_true", help="also cProfile the host side of each pass")
     parser.add_argument("--align-chunk", type=int, default=None, help="pairs a program aligns (prefill)")
     parser.add_argument("--out", type=Path, default=None, help="append the results as JSON lines here")
     parser.add_argument("--graphs", action="store_true", help="replay graphable passes from prefill graphs")
     args = parser.parse_args()
-    shapes = [tuple(int(x) for x in p.split("x")) for p in args.passes]
+    specs = [PassSpec.parse(p) for p in args.passes]
+    shapes = [(spec.prompts, spec.length) for spec in specs]
     if args.align_chunk is not None:
         from pdserve.ops import cuda_route
 
         cuda_route.ALIGN_CHUNK = args.align_chunk
-    longest, most = max(length for _, length in shapes), max(p for p, _ in shapes)
+    longest, most = max(spec.context + spec.length for spec in specs), max(p for p, _ in shapes)
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))
         start = time.perf_counter()
         config = EngineConfig(model=tmp, device="cuda", load_format="dummy", max_num_seqs=most,
-                              max_model_len=longest + 64, enforce_eager=True, num_state_slots=most + 2,
+                              max_model_len=longest + 64, enforce_eager=True, num_state_slots=2 * most + 2,
                               num_kv_pages=most * (longest // 16 + 8) + 1,
                               max_num_batched_tokens=max(p * n for p, n in shapes))  # fmt: skip
         runner = ModelRunner(config)
@@ -166,8 +207,8 @@ def main() -> None:
             runner.prefill_graphs = graphs
         print(f"model and pools ready in {time.perf_counter() - start:.0f} s", flush=True)
         results = []
-        for prompts, length in shapes:
-            results.append(profile(runner, prompts, length, args.host))
+        for spec in specs:
+            results.append(profile(runner, spec, args.host))
     append_json_lines(args.out, results)
 
 
