@@ -68,6 +68,32 @@ def test_warm_up_passes_cover_every_size(engine: LLMEngine) -> None:
     assert {len(p) for p in run} == {1, 2, PACKED_CHATS}  # alone, packed short ones, packed chats
 
 
+def test_warm_up_meets_every_moe_tile_and_alignment_class(engine: LLMEngine) -> None:
+    """The MoE kernels' constexprs change with a pass's size (`_block_config`'s tiles; one
+    alignment program, or chunks of `align_chunk` pairs): at the served shape (256 experts, 8 + the
+    shared one a token) and the default budget, warm-up's own passes (all but follow-ups, which
+    prefill only their new turn) meet every class a pass of 1 to 8,192 tokens can be in."""
+    from pdserve.bench import QWEN36_35B_A3B
+    from pdserve.ops.cuda_moe import _block_config
+    from pdserve.ops.cuda_route import MAX_ALIGN_PAIRS, align_chunk
+
+    experts, per_token = QWEN36_35B_A3B["num_experts"], QWEN36_35B_A3B["num_experts_per_tok"] + 1
+
+    def kernels_for(tokens: int) -> tuple:
+        pairs = tokens * per_token
+        return tuple(_block_config(pairs, experts).items()), pairs > MAX_ALIGN_PAIRS and align_chunk(pairs)
+
+    budget = 8192
+    served = copy.copy(engine)
+    served.config = copy.copy(engine.config)  # the served limits, past what the tiny model allows
+    served.config.max_num_batched_tokens, served.config.max_model_len = budget, 32768
+    passes = warm_up_passes(served, resume_suffix(engine.tokenizer))
+    follow_up = lambda a, b: len(a) == len(b) and all(y[: len(x)] == x for x, y in zip(a, b, strict=True))  # noqa: E731
+    fresh = [p for before, p in zip([[]] + passes, passes, strict=False) if not follow_up(before, p)]
+    met = {kernels_for(sum(map(len, p))) for p in fresh}
+    assert {kernels_for(t) for t in range(1, budget + 1)} <= met and len(met) >= 5
+
+
 def test_warm_up_runs_every_pass_and_leaves_nothing(
     engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
