@@ -38,5 +38,7 @@ def test_a_model_that_does_not_fit_names_the_numbers(tiny_model_dir) -> None:
         LLM(str(tiny_model_dir), device="cuda", gpu_memory_utilization=0.001)
     line = str(failure.value)
     assert "\n" not in line
-    for words in ("weights", "GDN states", "KV pages", "--max-num-seqs", "--gpu-memory-utilization"):
+    words_wanted = ("weights", "GDN states", "KV pages", "--max-num-seqs", "--num-prefix-checkpoints",
+                    "--gpu-memory-utilization")  # fmt: skip
+    for words in words_wanted:
         assert words in line, line

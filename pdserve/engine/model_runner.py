@@ -141,13 +141,15 @@ class ModelRunner:
 
     def _plan_line(self, budget: float, total: int, free: int, one_sequence: int) -> str:
         c = self.config
+        # the state slots: one a running sequence, and with the prefix cache one a checkpoint
+        slots = "--max-num-seqs" + (" or --num-prefix-checkpoints" if c.enable_prefix_caching else "")
         return (
             f"the model does not fit: weights {self._weight_bytes() / GIB:.1f} GiB + GDN states "
             f"{self.state_pool.nbytes / GIB:.1f} GiB ({c.num_state_slots} slots) + activations "
             f"{ACTIVATION_RESERVE_BYTES / GIB:.0f} GiB leave {budget / GIB:.1f} GiB for KV pages, and one "
             f"sequence of max_model_len {c.max_model_len} needs {one_sequence / GIB:.2f} GiB "
             f"(this instance may use {c.gpu_memory_utilization:.2f} of {total / GIB:.1f} GiB, "
-            f"{(total - free) / GIB:.1f} GiB already in use): lower --max-num-seqs or --max-model-len, "
+            f"{(total - free) / GIB:.1f} GiB already in use): lower {slots} or --max-model-len, "
             "raise --gpu-memory-utilization, or run one engine per GPU"
         )
 
