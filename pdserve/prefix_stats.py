@@ -22,7 +22,8 @@ class PrefixStats:
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HIT_SOURCES, 0))
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     saved: int = 0  # checkpoints taken (copied or adopted)
-    evicted: int = 0  # entries dropped to make room
+    evicted: int = 0  # entries taken off the device to make room (dropped, or moved to the host tier)
+    demoted: int = 0  # of those, the ones moved to the host tier (a device-to-host copy each)
     # pulls of entries from peers (pdserve.prefix_sharing): done, failed, or not started because
     # recomputing was cheaper; bytes read
     pulls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PULL_OUTCOMES, 0))
@@ -43,6 +44,7 @@ class PrefixStats:
             "misses": dict(self.misses),
             "saved": self.saved,
             "evicted": self.evicted,
+            "demoted": self.demoted,
             "pulls": dict(self.pulls),
             "pull_bytes": self.pull_bytes,
         }

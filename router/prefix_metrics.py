@@ -1,6 +1,7 @@
 """The prefix cache in the router's /metrics, from what every instance publishes with its load
 (`load["prefix_cache"]`, `pdserve.prefix_stats`): hits by where the state came from,
-misses by why, pulls from peers by outcome, summed over the live instances.
+misses by why, pulls from peers by outcome, evictions by where the entry went, summed over the live
+instances.
 
 Instances publish running totals; the router turns each instance's increase since its last view
 into counter increments (a total that went down is a restarted instance: counted from zero).
@@ -33,6 +34,12 @@ class PrefixCacheMetrics:
             "prefix_cache_pulls", "Cached prefixes pulled from a peer: done, failed, refused", ["outcome"]
         )
         self.pull_bytes = metrics.counter("prefix_cache_pull_bytes", "Bytes of cached prefixes pulled")
+        self.evictions = metrics.counter(
+            "prefix_cache_evictions",
+            "Cache entries taken off an instance's GPU to make room: to host (moved to its host tier, "
+            "a device-to-host copy) or dropped",
+            ["to"],
+        )
         self._seen: dict[str, dict] = {}
 
     def observe(self, instance_id: str, report: dict | None) -> None:
@@ -50,7 +57,18 @@ class PrefixCacheMetrics:
             for label in labels:
                 _inc(counter.labels(label), now.get(label, 0), before.get(label, 0))
         _inc(self.pull_bytes, report.get("pull_bytes", 0), last.get("pull_bytes", 0))
+        for to, now, before in (
+            ("host", report.get("demoted", 0), last.get("demoted", 0)),
+            ("dropped", _dropped(report), _dropped(last)),
+        ):
+            _inc(self.evictions.labels(to), now, before)
         self._seen[instance_id] = report
+
+
+def _dropped(report: dict) -> object:
+    """Evicted entries that were not moved to the host tier (None when the report has no count)."""
+    evicted, demoted = report.get("evicted", 0), report.get("demoted", 0)
+    return evicted - demoted if isinstance(evicted, int) and isinstance(demoted, int) else None
 
 
 def _inc(counter: object, now: object, before: object) -> None:

@@ -36,9 +36,11 @@ def test_host_hit_equals_no_cache_alone_and_packed(tiered: LLM, plain_llm: LLM) 
     cache = tiered.engine.prefix_cache
     firsts = random_prompts((140, 150, 160, 170, 180), seed=51)
     more = random_prompts((20, 25), seed=52)
+    demoted, evicted = cache.stats.demoted, cache.stats.evicted
     for prompt in firsts:  # each leaves two entries: the device holds three, the rest go to the host
         tiered.generate(prompt, GREEDY)
-    assert any(e.tier == "host" for e in cache.entries.values())
+    on_host = sum(e.tier == "host" for e in cache.entries.values())
+    assert on_host and cache.stats.demoted - demoted == on_host <= cache.stats.evicted - evicted
     (oldest,) = [e for e in cache.entries.values() if e.kind == "end" and e.num_tokens == 140]
     assert oldest.tier == "host"
     turns = [firsts[0] + more[0], firsts[1] + more[1]]  # both continue a prompt now on the host

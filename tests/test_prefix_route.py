@@ -185,14 +185,22 @@ def test_instance_counters_become_router_counters() -> None:
     metrics = RouterMetrics()
     prefix = PrefixCacheMetrics(metrics)
 
-    def report(gpu: int, peer: int, no_entry: int) -> dict:
-        return {"hit_tokens": {"gpu": gpu, "peer": peer}, "misses": {"no_entry": no_entry}}
+    def report(gpu: int, peer: int, no_entry: int, evicted: int = 0, demoted: int = 0) -> dict:
+        misses = {"no_entry": no_entry}
+        return {
+            "hit_tokens": {"gpu": gpu, "peer": peer},
+            "misses": misses,
+            "evicted": evicted,
+            "demoted": demoted,
+        }
 
-    prefix.observe("a", report(100, 0, 1))
+    prefix.observe("a", report(100, 0, 1, evicted=4, demoted=1))
     prefix.observe("b", report(10, 50, 0))
-    prefix.observe("a", report(130, 0, 1))  # +30
+    prefix.observe("a", report(130, 0, 1, evicted=9, demoted=3))  # +30; 5 evicted, 2 of them to host
     prefix.observe("b", report(5, 0, 2))  # restarted: counted from zero
     text = metrics.render().decode()
     assert 'pdserve:prefix_cache_hit_tokens_by_source_total{source="gpu"} 145.0' in text
     assert 'pdserve:prefix_cache_hit_tokens_by_source_total{source="peer"} 50.0' in text
     assert 'pdserve:prefix_cache_misses_total{reason="no_entry"} 3.0' in text
+    assert 'pdserve:prefix_cache_evictions_total{to="host"} 3.0' in text
+    assert 'pdserve:prefix_cache_evictions_total{to="dropped"} 6.0' in text

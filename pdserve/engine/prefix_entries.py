@@ -118,7 +118,9 @@ class PrefixEntryStore:
         victim = self.index.victim(keep, only_unused)
         if victim is None:
             return False
-        if not (to_host and not victim.superseded and self._demote(victim, keep)):
+        if to_host and not victim.superseded and self._demote(victim, keep):
+            self.stats.demoted += 1
+        else:
             self._drop(victim)
         self.stats.evicted += 1
         return True

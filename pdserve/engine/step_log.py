@@ -6,8 +6,9 @@ launched ran: `decode` rows, prefill `chunks` and their `tokens`, checkpoint `sa
 scheduler's `running` / `waiting` counts after it; with a background pass in flight, `bg_ms`: the
 host time the step spent starting, launching and ending it; with the prefix cache, `hits` (requests
 that started from a cached prefix since the line before, by source: "gpu", "host", "peer") and
-`evicted` (entries dropped), where not zero: a chat turn's pass that restored its checkpoints from
-the host tier waited on those copies. A step that launched nothing writes no line.
+`evicted` (entries taken off the device) and `to_host` (of those, moved to the host tier), where
+not zero: the host tier's copies run on the compute stream, so a pass that restored or demoted
+entries waited on them. A step that launched nothing writes no line.
 """
 
 from __future__ import annotations
@@ -72,13 +73,17 @@ class StepLog:
     def _cache_delta(self, stats: PrefixStats) -> dict:
         """`hits` by source and `evicted` since the last call, the zero ones left out."""
         hits = {k: n - self._seen.hit_requests.get(k, 0) for k, n in stats.hit_requests.items()}
-        evicted = stats.evicted - self._seen.evicted
-        self._seen = PrefixStats(hit_requests=dict(stats.hit_requests), evicted=stats.evicted)
+        evicted, demoted = stats.evicted - self._seen.evicted, stats.demoted - self._seen.demoted
+        self._seen = PrefixStats(
+            hit_requests=dict(stats.hit_requests), evicted=stats.evicted, demoted=stats.demoted
+        )
         delta: dict = (
             {"hits": {k: n for k, n in hits.items() if n > 0}} if any(n > 0 for n in hits.values()) else {}
         )
         if evicted > 0:
             delta["evicted"] = evicted
+        if demoted > 0:
+            delta["to_host"] = demoted
         return delta
 
     def close(self) -> None:
