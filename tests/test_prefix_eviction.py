@@ -36,6 +36,30 @@ def test_conversations_keep_their_resume_points_over_answers(tiny_model_dir) -> 
     assert_no_leaks(llm.engine)
 
 
+def test_a_packed_turn_restores_every_resume_point_from_the_device(tiny_model_dir) -> None:
+    """All conversations' turns in one pass, as a served chat turn packs them: each new resume
+    point takes the room of one its turn just restored (`CacheEntry.resumed`), not of one a later
+    sequence of the same turn is about to restore. Ranked by hits, the fresh ones went first: with
+    40 checkpoints for 32 conversations, 24 of 32 came back from the host tier every turn."""
+    llm: LLM = tiny_llm(tiny_model_dir, num_prefix_checkpoints=CHECKPOINTS)
+    cache = llm.engine.prefix_cache
+    cache.configure_host_tier(4 << 20)  # room on the host: a demoted resume point would go there
+    cache.resume_suffixes = [SUFFIX]
+    bodies = random_prompts([96] * CONVERSATIONS, seed=63)
+    for turn in range(TURNS):
+        hits = dict(cache.stats.hit_requests)
+        outs = llm.generate([body + list(SUFFIX) for body in bodies], GREEDY)
+        if turn:
+            assert [o.num_cached_tokens for o in outs] == [len(b) - NEW for b in bodies], turn
+            assert cache.stats.hit_requests["gpu"] - hits["gpu"] == CONVERSATIONS, turn
+            assert cache.stats.hit_requests["host"] == hits["host"], turn
+        news = random_prompts([NEW] * CONVERSATIONS, seed=64 + turn)
+        bodies = [body + new for body, new in zip(bodies, news, strict=True)]
+    assert not [e for e in cache.entries.values() if e.kind == "resume" and e.tier == "host"]
+    cache.clear()
+    assert_no_leaks(llm.engine)
+
+
 def test_an_end_next_to_a_resume_point_takes_no_checkpoint(cached_llm: LLM) -> None:
     cache = cached_llm.engine.prefix_cache
     cache.resume_suffixes = [SUFFIX]

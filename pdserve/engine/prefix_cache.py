@@ -167,7 +167,7 @@ class PrefixCache(PrefixEntryStore):
         seq.num_cached_tokens = entry.num_tokens
         seq.restored_from = entry
         entry.hits += 1
-        entry.superseded = False
+        entry.superseded, entry.resumed = False, entry.hits == 1
         self.stats.hit(entry.next_source, entry.num_tokens)
         entry.next_source = "gpu"
 
@@ -180,7 +180,7 @@ class PrefixCache(PrefixEntryStore):
         seq.num_computed_tokens = seq.num_cached_tokens = entry.num_tokens
         seq.restored_from = entry
         entry.hits += 1
-        entry.superseded = False
+        entry.superseded, entry.resumed = False, entry.hits == 1
         self.stats.hit("host", entry.num_tokens)
 
     # ---- new entries
