@@ -6,19 +6,18 @@ adds the keys, the lookup and restore, and the making of entries): it owns the e
 KV pages and checkpoints (state slots) and the host tier's copies, and takes them back.
 
 Admission and eviction know what a checkpoint costs (a state slot, ~61 MiB at the full shape):
-a chunk-end checkpoint is admitted only over entries nobody reused (`LOW_VALUE_KINDS`), and so is
-one of a kind whose recent entries left the device unused (`ReuseAdmission`, `device_admission`:
-a generation's entry under a template that re-renders answers), over entries of such kinds only;
-eviction is LRU with a reuse count (`EntryIndex.victim`); pages and checkpoint always go
-together; an entry evicted for memory moves to the host tier when it fits there (least valuable
-host entries dropped first) and its kind's recent entries there were restored
-(`ReuseAdmission`, `admission`), else it is dropped; entries a peer is reading are pinned.
+a chunk-end checkpoint is admitted only over entries nobody reused (`LOW_VALUE_KINDS`); eviction
+takes links a conversation moved past or is moving past first, then LRU with a reuse count
+(`EntryIndex.victim`); pages and checkpoint always go together; an entry evicted for memory
+moves to the host tier when it fits there (least valuable host entries dropped first) and its
+kind's recent entries there were restored (`HostAdmission`), else it is dropped; entries a peer
+is reading are pinned.
 """
 
 from __future__ import annotations
 
-from pdserve.engine.prefix_index import EVICT_FIRST, CacheEntry, EntryIndex
-from pdserve.engine.reuse_admission import ReuseAdmission
+from pdserve.engine.host_admission import HostAdmission
+from pdserve.engine.prefix_index import CacheEntry, EntryIndex
 from pdserve.memory import GdnCheckpointPool, HostTier, KvPagePool
 from pdserve.prefix_stats import PrefixStats
 
@@ -38,8 +37,7 @@ class PrefixEntryStore:
         # where evicted entries go (`configure_host_tier`); None until configured: the first
         # eviction makes the default for the device (EngineConfig.snapshot_pool_mb's)
         self.host: HostTier | None = None
-        self.admission = ReuseAdmission()  # copies to the host tier, by whether they came back
-        self.device_admission = ReuseAdmission()  # new checkpoints, by whether the kind's are hit
+        self.admission = HostAdmission()
         self._host_bytes = host_tier_bytes
         if host_tier_bytes is not None:
             self.configure_host_tier(host_tier_bytes)
@@ -51,7 +49,7 @@ class PrefixEntryStore:
             return
         for entry in [e for e in self.entries.values() if e.tier == "host"]:
             self._drop(entry)
-        self.admission = ReuseAdmission()
+        self.admission = HostAdmission()
         self._host_bytes = budget_bytes
         self.host = HostTier(self.kv_pool, self.checkpoints.states, budget_bytes) if budget_bytes else None
 
@@ -89,14 +87,7 @@ class PrefixEntryStore:
         needed = self.checkpoints.num_used >= self.checkpoints.num_checkpoints
         if not adopting:
             needed = needed or self.checkpoints.num_free <= 0
-        if not needed:
-            return True
-        if kind not in LOW_VALUE_KINDS and self.device_admission.admits(kind):
-            return self.evict_one(to_host=True)
-        # an entry nobody may reuse takes the room of another such only (a never-reused one of a
-        # kind that goes first, or of its own kind): never of a resume point a turn will restore
-        unused_kinds = (*EVICT_FIRST, kind) if kind not in LOW_VALUE_KINDS else None
-        return self.evict_one(only_unused=True, to_host=True, kinds=unused_kinds)
+        return not needed or self.evict_one(only_unused=kind in LOW_VALUE_KINDS, to_host=True)
 
     # ---- pins (a peer READing an entry) and eviction
     def pin(self, key: bytes) -> CacheEntry | None:
@@ -119,20 +110,15 @@ class PrefixEntryStore:
         return len({p for e in self.entries.values() if e.tier == "gpu" for p in e.pages})
 
     def evict_one(
-        self,
-        keep: CacheEntry | None = None,
-        only_unused: bool = False,
-        to_host: bool = False,
-        kinds: tuple[str, ...] | None = None,
+        self, keep: CacheEntry | None = None, only_unused: bool = False, to_host: bool = False
     ) -> bool:
         """Take one entry other than `keep` (the one a request is about to restore) and pinned
         ones (`EntryIndex.victim`) off the device: dropped, or (`to_host`: memory pressure) moved
-        to the host tier when it has room, unless its conversation moved past it; `kinds`: only
-        one of these kinds. False when none can go."""
-        victim = self.index.victim(keep, only_unused, kinds=kinds)
+        to the host tier when it has room, unless its conversation moved past it (or is moving
+        past it: `resumed`); False when none can go."""
+        victim = self.index.victim(keep, only_unused)
         if victim is None:
             return False
-        self.device_admission.left(victim.kind, restored=victim.hits > 0)
         if to_host and not (victim.superseded or victim.resumed) and self._demote(victim, keep):
             self.stats.demoted += 1
         else:
@@ -173,5 +159,4 @@ class PrefixEntryStore:
         """Drop every entry not pinned by a peer (the host tier's too)."""
         for entry in [e for e in self.entries.values() if e.pins == 0]:
             self._drop(entry)
-        self.admission = ReuseAdmission()  # what was dropped here says nothing of reuse
-        self.device_admission = ReuseAdmission()
+        self.admission = HostAdmission()  # what was dropped here says nothing of reuse

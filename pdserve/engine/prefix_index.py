@@ -41,7 +41,7 @@ class CacheEntry:
     # reused once, by a sequence that carries its conversation on (and supersedes it when it saves
     # its next entry): the next to make room after superseded ones, dropped rather than copied
     resumed: bool = False
-    probe: bool = False  # moved to the host tier while its kind was throttled (`ReuseAdmission`)
+    probe: bool = False  # moved to the host tier while its kind was throttled (`HostAdmission`)
 
 
 class EntryIndex:
@@ -107,26 +107,16 @@ class EntryIndex:
     def was_evicted(self, keys: list[bytes]) -> bool:
         return any(key in self.evicted for key in keys)
 
-    def victim(
-        self,
-        keep: CacheEntry | None,
-        only_unused: bool,
-        tier: str = "gpu",
-        kinds: tuple[str, ...] | None = None,
-    ) -> CacheEntry | None:
+    def victim(self, keep: CacheEntry | None, only_unused: bool, tier: str = "gpu") -> CacheEntry | None:
         """Who goes next from `tier` (but `keep` and pinned ones): the oldest entry whose
         conversation moved past it (`superseded`), else the oldest reused once by a sequence
         carrying its conversation on (`resumed`), else the oldest never-reused entry of an
         `EVICT_FIRST` kind, else among the older half of its entries the one reused least, then
-        the oldest; `only_unused`: only one never reused; `kinds`: only one of these. (A reused
-        entry outranked a fresh one by its hits: a turn's new resume points took the room of the last
-        turn's not yet restored, which then came back from the host tier, instead of those its
-        sequences had just restored: 24 of 32 a turn with 40 checkpoints.)"""
-        candidates = [
-            e
-            for e in self.entries.values()
-            if e.tier == tier and e is not keep and e.pins == 0 and (kinds is None or e.kind in kinds)
-        ]
+        the oldest; `only_unused`: only one never reused. (Ranked by hits alone, a packed turn's
+        new resume points took the room of the last turn's not yet restored, which then came back
+        from the host tier, instead of those its sequences had just restored: 24 of 32 a turn
+        with 40 checkpoints.)"""
+        candidates = [e for e in self.entries.values() if e.tier == tier and e is not keep and e.pins == 0]
         if only_unused:
             candidates = [e for e in candidates if e.hits == 0]
         if not candidates:

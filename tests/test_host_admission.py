@@ -1,15 +1,15 @@
-"""`ReuseAdmission`: a kind of entry whose recent moves to the host tier were all wasted (none
+"""`HostAdmission`: a kind of entry whose recent moves to the host tier were all wasted (none
 restored before leaving) is moved there only one time in PROBE; one restore and it is moved
 again every time; kinds are learnt apart."""
 
 from __future__ import annotations
 
+from pdserve.engine.host_admission import PROBE, WINDOW, HostAdmission
 from pdserve.engine.prefix_index import CacheEntry, EntryIndex
-from pdserve.engine.reuse_admission import PROBE, WINDOW, ReuseAdmission
 
 
 def test_wasted_moves_throttle_a_kind_until_one_pays_off() -> None:
-    admission = ReuseAdmission()
+    admission = HostAdmission()
     assert all(admission.admits("decode") for _ in range(3 * WINDOW))  # nothing learnt yet
     for _ in range(WINDOW - 1):
         admission.left("decode", restored=False)
@@ -36,7 +36,7 @@ def test_a_probe_is_not_the_first_the_host_tier_evicts() -> None:
     index.add(probe)  # the older of the two
     index.add(plain)
     assert index.victim(None, only_unused=False, tier="host") is plain
-    admission = ReuseAdmission()
+    admission = HostAdmission()
     for _ in range(WINDOW):
         admission.left("decode", restored=False)
     assert admission.throttled("decode") and not admission.throttled("end")
