@@ -16,7 +16,7 @@ import random
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.resume_points import resume_suffix
-from pdserve.memory.host_tier import _unit_bytes
+from pdserve.memory.host_tier import HostTier
 from router.chat_template import render_chat
 
 
@@ -34,9 +34,7 @@ def main() -> None:
     )  # fmt: skip
     engine, tokenizer = llm.engine, llm.engine.tokenizer
     cache, runner = engine.prefix_cache, engine.runner
-    states, kv = runner.state_pool, runner.kv_pool  # a host entry: a checkpoint and 2,048 tokens' pages
-    checkpoint = _unit_bytes(states.conv, 1) + _unit_bytes(states.recurrent, 1)
-    cache.configure_host_tier(args.host_entries * (checkpoint + kv.pages_for(2048) * _unit_bytes(kv.kv, 2)))
+    cache.configure_host_tier(args.host_entries * HostTier.entry_bytes(runner.kv_pool, runner.state_pool))
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "omega", "theta", "kappa", "sigma", "tau", "rho"]
     text = lambda n: " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(n // 2))  # noqa: E731

@@ -163,12 +163,7 @@ class PrefixCache(PrefixEntryStore):
             self.kv_pool.copy_page(entry.pages[full], page)
             seq.block_table.append(page)
         self.checkpoints.restore(entry.checkpoint, seq.state_slot)
-        seq.num_computed_tokens = entry.num_tokens
-        seq.num_cached_tokens = entry.num_tokens
-        seq.restored_from = entry
-        entry.hits += 1
-        entry.superseded, entry.resumed = False, entry.hits == 1
-        self.stats.hit(entry.next_source, entry.num_tokens)
+        self._started_from(entry, seq, entry.next_source)
         entry.next_source = "gpu"
 
     def _restore_from_host(self, entry: CacheEntry, seq: Sequence) -> None:
@@ -177,11 +172,16 @@ class PrefixCache(PrefixEntryStore):
             self.admission.left(entry.kind, restored=True)
         seq.block_table = self.kv_pool.allocate(len(entry.pages))
         self.host.load(entry.pages, entry.checkpoint, seq.block_table, seq.state_slot)
+        self._started_from(entry, seq, "host")
+
+    def _started_from(self, entry: CacheEntry, seq: Sequence, source: str) -> None:
+        """`seq` goes on from `entry`'s prefix (its pages and state in place): a hit from `source`;
+        the entry's first reuse makes it `resumed` (its conversation is moving past it)."""
         seq.num_computed_tokens = seq.num_cached_tokens = entry.num_tokens
         seq.restored_from = entry
         entry.hits += 1
         entry.superseded, entry.resumed = False, entry.hits == 1
-        self.stats.hit("host", entry.num_tokens)
+        self.stats.hit(source, entry.num_tokens)
 
     # ---- new entries
     def save(self, seq: Sequence, kind: str) -> bool:

@@ -38,8 +38,9 @@ class CacheEntry:
     # is dropped, not copied to the host tier (~140 MiB of copies for a 4K-token entry)
     superseded: bool = False
     host_restored: bool = False  # on the host tier: restored from there since it was moved there
-    # reused once, by a sequence that carries its conversation on (and supersedes it when it saves
-    # its next entry): the next to make room after superseded ones, dropped rather than copied
+    # reused once (a second reuse clears it), by a sequence that carries its conversation on and
+    # supersedes it when it saves its next entry: the next to make room after superseded ones,
+    # dropped rather than copied
     resumed: bool = False
     probe: bool = False  # moved to the host tier while its kind was throttled (`HostAdmission`)
 
@@ -123,7 +124,7 @@ class EntryIndex:
             return None
         first = (
             next((e for e in candidates if e.superseded), None)
-            or next((e for e in candidates if e.resumed and e.hits == 1), None)
+            or next((e for e in candidates if e.resumed), None)
             or next((e for e in candidates if e.hits == 0 and e.kind in EVICT_FIRST and not e.probe), None)
         )
         if first is not None:

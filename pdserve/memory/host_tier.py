@@ -36,7 +36,7 @@ class HostTier:
         self.kv_pool, self.states = kv_pool, states
         ck_bytes = _unit_bytes(states.conv, 1) + _unit_bytes(states.recurrent, 1)
         page_bytes = _unit_bytes(kv_pool.kv, 2)
-        per_entry = ck_bytes + kv_pool.pages_for(typical_tokens) * page_bytes
+        per_entry = HostTier.entry_bytes(kv_pool, states, typical_tokens)
         entries = budget_bytes // per_entry
         if entries < 1:
             raise ValueError(f"a host tier of {budget_bytes} bytes holds no entry ({per_entry} bytes each)")
@@ -49,6 +49,12 @@ class HostTier:
         self.num_checkpoints, self.num_pages = num_checkpoints, num_pages
         self._free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
         self._free_pages = list(range(num_pages))  # a heap, lowest first: an entry's pages tend to run
+
+    @staticmethod
+    def entry_bytes(kv_pool: KvPagePool, states: GdnStatePool, typical_tokens: int = 2048) -> int:
+        """Host bytes of one entry of `typical_tokens` tokens: its checkpoint and its KV pages."""
+        checkpoint = _unit_bytes(states.conv, 1) + _unit_bytes(states.recurrent, 1)
+        return checkpoint + kv_pool.pages_for(typical_tokens) * _unit_bytes(kv_pool.kv, 2)
 
     @property
     def nbytes(self) -> int:
