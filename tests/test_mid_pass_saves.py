@@ -54,8 +54,11 @@ CASES = {
     # 1, 0, 0 and 2 save points, one within the first W-1 tokens (the conv state still holds
     # history from before the pass), one past a 64-token scan chunk: every piece a chunked scan
     "long pieces": ([5, 7, 1, 90], [[(2, 4)], [], [], [(1, 5), (70, 6)]], [False, False, False]),
-    # chat prompts' resume points: a long first piece, then two- and three-token tails
+    # chat prompts' resume points: the whole pass chunked in order, each saving sequence cut at
+    # its save point (no gathers), then the two- and three-token tails again from the slots
     "short tails": ([6, 3, 40, 9], [[(4, 4)], [(1, 5)], [(37, 6)], []], [False, True]),
+    # one save each, a tail too long for recurrent steps: gathered pieces, the conv op saving
+    "long tails": ([5, 90, 2, 3], [[(2, 4)], [(10, 5)], [], [(1, 6)]], [False, False]),
     # every chunk short, one save each at most: one recurrent piece whose scan saves on its way
     "all short": ([3, 2, 4, 1], [[(1, 4)], [(1, 5)], [(2, 6)], []], [True]),
     # every chunk short, one with two saves: a piece a round, each of recurrent steps
@@ -89,7 +92,11 @@ def test_saves_inside_a_pass_equal_chunks_that_stop_there(
     assert [piece.recurrent for piece in saved.pieces] == recurrent_pieces
     one_saving_piece = len(saved.pieces) == 1 and any(saves)  # the ops write the checkpoints
     assert [piece.save_at is not None for piece in saved.pieces] == [one_saving_piece] * len(saved.pieces)
-    assert saved.num_saves == (0 if one_saving_piece else sum(map(len, saves)))
+    saves_once = max(map(len, saves)) == 1  # the conv op writes the conv checkpoints: no rows
+    assert saved.num_saves == (0 if saves_once else sum(map(len, saves)))
+    assert (saved.conv_save_at is not None) == saves_once
+    cut = case == "short tails"  # the first piece is the whole pass in order, cut at the saves
+    assert (saved.pieces[0].tokens is None) == (cut or len(saved.pieces) == 1)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     conv_out = saved.conv(x, weight, cu, conv, torch.tensor(slots, device=device))
     out = saved.scan(q, k, v, gate, beta, recurrent)

@@ -88,7 +88,9 @@ class PrefillGraphs:
         cu, slots = self.cu_seqlens[: seqs + 1], self.state_slots[:seqs]
         piece = ScanPiece(None, cu, slots, slots[:0], self.save_to[:seqs], True, self.save_at[:seqs])
         # the checkpoints ride on the piece (the conv op and the scan write them): no conv rows
-        saves = MidPassSaves([piece], self.no_rows[:, 0], self.no_rows[:, 0], self.no_rows, 0)
+        saves = MidPassSaves(
+            [piece], self.no_rows[:, 0], self.no_rows[:, 0], self.no_rows, 0, piece.save_at, piece.save_to
+        )
         return ForwardBatch(
             input_ids=self.input_ids[:tokens],
             positions=self.positions[:tokens],

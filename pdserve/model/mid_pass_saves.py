@@ -10,7 +10,15 @@ on its way through:
   - recurrent: the gated delta rule runs in pieces, each sequence split at its save points;
     after piece r, the state of each sequence saving there is copied to its checkpoint, and
     piece r+1 continues from the sequence's own slot. Sequences with no save run whole in the
-    first piece, so a pass with one save point scans twice per GDN layer. A piece whose
+    first piece, so a pass with one save point scans twice per GDN layer.
+    Each sequence saving once with a short tail after it (a chat turn's pass too long for one
+    recurrent piece) is scanned without gathers: the first piece is the whole pass in order, each
+    saving sequence cut in two there (its head from its slot, which then holds the checkpoint's
+    state; its tail from the checkpoint, a throwaway), then the tails again from the slots, a
+    token at a time. Gathering the heads instead (every token but the tails) and concatenating
+    the conv input for its checkpoints cost ~15 ms of a 30-prompt, 8,130-token pass's 137 ms on
+    the H200 (`bench_prefill_step 30x271@267`, docs/benchmarks.md session 24); the conv op
+    writes the checkpoints of any pass whose sequences save once. A piece whose
     segments are all short (at most RECURRENT_MAX tokens; on CUDA RECURRENT_MAX_CUDA, and
     RECURRENT_TOKENS_CUDA in all: a chat prompt's tail after its resume point is two tokens,
     a follow-up turn's new tokens a few hundred) runs through `ops.gdn_recurrent_prefill`,
@@ -64,7 +72,11 @@ class MidPassSaves:
     conv_slots: torch.Tensor  # [M] int64: the sequence slot of each save
     conv_to: torch.Tensor  # [M] int64: its checkpoint
     conv_rows: torch.Tensor  # [M, W-1] int64: rows of cat(history of conv_slots, x), oldest first
-    num_saves: int = 0  # M (0 for a saving piece: its checkpoints ride on the piece's save_at)
+    num_saves: int = 0  # M (0 when each sequence saves once: the conv op writes the checkpoints)
+    # [N] int32 / int64: the conv op saves sequence n's history after conv_save_at[n] tokens
+    # (0: none) to conv_save_to[n]; None: `save_conv` does (some sequence saves twice)
+    conv_save_at: torch.Tensor | None = None
+    conv_save_to: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -90,11 +102,24 @@ class MidPassSaves:
         total, starts = sum(chunk_lens), [0]
         for length in chunk_lens[:-1]:
             starts.append(starts[-1] + length)
-        if rounds == 1 and max(chunk_lens) <= limit and total <= token_limit:
-            # the conv op and the recurrent scan write the checkpoints themselves: no conv rows
+        if rounds == 1:  # the conv op writes the checkpoints (the saving piece's tensors): no conv rows
+            saving = _saving_piece(chunk_lens, state_slots, saves, device)
             none, rows = to_device_many([[], []], torch.int64, device)
-            piece = _saving_piece(chunk_lens, state_slots, saves, device)
-            return MidPassSaves([piece], none, none, rows.view(0, history_len), 0)
+            tails = [
+                length - points[0][0] for length, points in zip(chunk_lens, saves, strict=True) if points
+            ]
+            if max(chunk_lens) <= limit and total <= token_limit:
+                pieces = [saving]  # and so does the recurrent scan
+            elif max(tails) <= limit and sum(tails) <= token_limit:
+                pieces = _cut_scan(chunk_lens, state_slots, saves, device)
+            else:
+                pieces = [
+                    _piece(r, starts, chunk_lens, state_slots, saves, limit, token_limit, device)
+                    for r in (0, 1)
+                ]
+            return MidPassSaves(
+                pieces, none, none, rows.view(0, history_len), 0, saving.save_at, saving.save_to
+            )
         pieces = [
             _piece(r, starts, chunk_lens, state_slots, saves, limit, token_limit, device)
             for r in range(rounds + 1)
@@ -119,11 +144,10 @@ class MidPassSaves:
         state_slots: torch.Tensor,
     ) -> torch.Tensor:
         """`ops.causal_conv1d_prefill` over the whole pass, saving the conv checkpoints: the op
-        writes them itself when the pass is one saving piece, else `save_conv` first."""
-        piece = self.pieces[0]
-        if piece.save_at is not None:
+        writes them itself when each sequence saves once, else `save_conv` first."""
+        if self.conv_save_at is not None:
             return ops.causal_conv1d_prefill(
-                x, weight, cu_seqlens, conv_pool, state_slots, piece.save_at, piece.save_to
+                x, weight, cu_seqlens, conv_pool, state_slots, self.conv_save_at, self.conv_save_to
             )
         self.save_conv(x, conv_pool)
         return ops.causal_conv1d_prefill(x, weight, cu_seqlens, conv_pool, state_slots)
@@ -213,6 +237,42 @@ def _saving_piece(
     slots_t, to_t, none_t = to_device_many([state_slots, to, []], torch.int64, device)
     cu_t, at_t = to_device_many([[0, *accumulate(chunk_lens)], at], torch.int32, device)
     return ScanPiece(None, cu_t, slots_t, none_t, to_t, True, at_t)
+
+
+def _cut_scan(
+    chunk_lens: list[int],
+    state_slots: list[int],
+    saves: list[list[tuple[int, int]]],
+    device: torch.device | str,
+) -> list[ScanPiece]:
+    """Two pieces for a pass whose sequences save once each, with short tails after (see the
+    module): the whole pass in order, each saving sequence cut at its save point (its head from
+    its slot, its tail from its checkpoint, whose result the copy of the head's state and the
+    second piece overwrite), then the tails from the slots."""
+    cu, slots, heads, checkpoints, tails, tail_cu, tail_slots = [0], [], [], [], [], [0], []
+    start = 0
+    for length, slot, points in zip(chunk_lens, state_slots, saves, strict=True):
+        if points:
+            ((offset, ck),) = points
+            cu.append(start + offset)
+            slots += [slot, ck]
+            heads.append(slot)
+            checkpoints.append(ck)
+            tails.extend(range(start + offset, start + length))
+            tail_cu.append(len(tails))
+            tail_slots.append(slot)
+        else:
+            slots.append(slot)
+        start += length
+        cu.append(start)
+    slots_t, heads_t, ck_t, tails_t, tail_slots_t = to_device_many(
+        [slots, heads, checkpoints, tails, tail_slots], torch.int64, device
+    )
+    cu_t, tail_cu_t = to_device_many([cu, tail_cu], torch.int32, device)
+    return [
+        ScanPiece(None, cu_t, slots_t, heads_t, ck_t, False),
+        ScanPiece(tails_t, tail_cu_t, tail_slots_t, heads_t[:0], ck_t[:0], True),
+    ]
 
 
 def _conv_rows(m: int, num_saves: int, start: int, offset: int, history_len: int) -> list[int]:
