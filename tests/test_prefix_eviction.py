@@ -104,3 +104,38 @@ def test_a_link_a_conversation_moved_past_is_dropped_not_moved_to_the_host(tiny_
     assert first not in demoted and second in demoted and cache.entries[second.key].tier == "host"
     cache.clear()
     assert_no_leaks(llm.engine)
+
+
+def test_an_answer_the_next_prompt_re_renders_is_dropped_not_moved_to_the_host(tiny_model_dir) -> None:
+    """Conversation A's template re-renders its answer: its second turn restores the resume point
+    before the first answer and passes over the answer's entry, which is then superseded, the
+    first to make room, and dropped (32 a turn went to the host tier on the H200 until
+    `HostAdmission` learnt the kind never comes back). Conversation B's second turn extends its
+    answer and restores that entry: not passed over."""
+    llm: LLM = tiny_llm(tiny_model_dir, num_prefix_checkpoints=5)  # turn 1 makes 4 entries, turn 2 4 more
+    cache = llm.engine.prefix_cache
+    cache.configure_host_tier(8 << 20)  # room on the host: a demoted answer would go there
+    cache.resume_suffixes = [SUFFIX]
+    body_a, body_b, new_a, new_b = random_prompts([96, 100, NEW, NEW], seed=65)
+    _, out_b = llm.generate([body_a + list(SUFFIX), body_b + list(SUFFIX)], GREEDY)
+    answer_a, answer_b = sorted(
+        (e for e in cache.entries.values() if e.kind == "decode"), key=lambda e: e.num_tokens
+    )
+    (resume_a,) = [e for e in cache.entries.values() if e.num_tokens == len(body_a)]
+    assert cache.stats.demoted == 0
+    restored = []
+    restore = cache.restore
+    cache.restore = lambda entry, seq: (
+        restore(entry, seq) or restored.append((entry, answer_a.superseded, answer_b.superseded))
+    )
+    prompt_b = body_b + list(SUFFIX) + out_b.token_ids + new_b + list(SUFFIX)  # B keeps its answer
+    outs = llm.generate([body_a + new_a + list(SUFFIX), prompt_b], GREEDY)
+    del cache.restore
+    assert [o.num_cached_tokens for o in outs] == [len(body_a), answer_b.num_tokens]
+    # A restored its resume point: its answer is passed over; B restored its answer: not
+    assert restored == [(resume_a, True, False), (answer_b, True, False)]
+    # the turn's new entries made room: A's answer went first, dropped, not copied to the host
+    assert answer_a.key not in cache.entries and cache.stats.demoted == 0
+    assert not [e for e in cache.entries.values() if e.tier == "host"]
+    cache.clear()
+    assert_no_leaks(llm.engine)

@@ -81,6 +81,8 @@ class PrefixCache(PrefixEntryStore):
         self.resume_suffixes: list[tuple[int, ...]] = []
         self.refused: weakref.WeakSet[Sequence] = weakref.WeakSet()  # a pull did not pay for them
         self._seq_keys: weakref.WeakKeyDictionary[Sequence, _SeqKeys] = weakref.WeakKeyDictionary()
+        # the latest entry each sequence made: its generation's entry is linked from it
+        self._last_made: weakref.WeakKeyDictionary[Sequence, CacheEntry] = weakref.WeakKeyDictionary()
 
     # ---- keys
     def block_keys(self, token_ids: list[int]) -> list[bytes]:
@@ -182,6 +184,18 @@ class PrefixCache(PrefixEntryStore):
         entry.hits += 1
         entry.superseded, entry.resumed = False, entry.hits == 1
         self.stats.hit(source, entry.num_tokens)
+        self._pass_over(entry.followed_by)
+
+    def _pass_over(self, answer: CacheEntry | None) -> None:
+        """A prompt restored the entry the generation `answer` went on from, so it does not extend
+        `answer` (the lookup takes the longest entry): its chat template re-rendered that answer
+        (Qwen3.6's drops the reasoning). Never reused, it is superseded: the first to make room,
+        and dropped rather than copied to the host tier (the H200 copied ~30 of them a turn, ~110
+        MB each in the compute stream, until `HostAdmission` throttled the kind)."""
+        held = answer is not None and self.entries.get(answer.key) is answer
+        if held and answer.tier == "gpu" and not answer.hits:
+            answer.superseded = True
+            self.entries.move_to_end(answer.key, last=False)
 
     # ---- new entries
     def save(self, seq: Sequence, kind: str) -> bool:
@@ -215,8 +229,8 @@ class PrefixCache(PrefixEntryStore):
             return
         pages = list(seq.block_table[: self.kv_pool.pages_for(n)])
         self.kv_pool.share(pages)
-        self._add(CacheEntry(key, parent, tail, n, pages, checkpoint, self.seq_block_keys(seq, n), kind))
-        self.supersede(seq, n)
+        blocks = self.seq_block_keys(seq, n)
+        self._made(seq, CacheEntry(key, parent, tail, n, pages, checkpoint, blocks, kind))
 
     def adopt(self, seq: Sequence, kind: str) -> bool:
         """Turn a request that lets its memory go into an entry as it is: its slot becomes the
@@ -233,9 +247,19 @@ class PrefixCache(PrefixEntryStore):
         self.kv_pool.free(seq.block_table[keep:])
         pages, slot = seq.block_table[:keep], seq.state_slot
         seq.block_table, seq.state_slot = [], None
-        self._add(CacheEntry(key, parent, tail, n, pages, slot, self.seq_block_keys(seq, n), kind))
-        self.supersede(seq, n)
+        self._made(seq, CacheEntry(key, parent, tail, n, pages, slot, self.seq_block_keys(seq, n), kind))
         return True
+
+    def _made(self, seq: Sequence, entry: CacheEntry) -> None:
+        """Add `seq`'s new `entry`. A generation's entry is linked from the one `seq` made last
+        (`CacheEntry.followed_by`: in a chat, the resume point before the generation prompt), so
+        the next turn restoring that one passes the answer over (`_pass_over`)."""
+        self._add(entry)
+        earlier = self._last_made.get(seq)
+        if entry.kind == "decode" and earlier is not None:
+            earlier.followed_by = entry
+        self._last_made[seq] = entry
+        self.supersede(seq, entry.num_tokens)
 
     def supersede(self, seq: Sequence, num_tokens: int) -> None:
         """`seq` made an entry of `num_tokens` tokens. The entry it started from, if only it ever

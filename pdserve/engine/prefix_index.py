@@ -43,6 +43,9 @@ class CacheEntry:
     # dropped rather than copied
     resumed: bool = False
     probe: bool = False  # moved to the host tier while its kind was throttled (`HostAdmission`)
+    # the generation's entry (`decode`) that the sequence which made this one made next: a later
+    # prompt restoring this one, not that, re-rendered the answer (`PrefixCache._pass_over`)
+    followed_by: CacheEntry | None = None
 
 
 class EntryIndex:
