@@ -103,14 +103,8 @@ def spawn(
         env = base_env | ({"CUDA_VISIBLE_DEVICES": p.gpu} if p.gpu is not None else {})
         stack.services.append(Child(p.name, argv, env))
         say(f"started {p.name} (pid {stack.services[-1].pid})" + (f" on GPU {p.gpu}" if p.gpu else ""))
-    argv = [*CLI, "router", *model_args, "--host", args.host, "--port", str(args.port)]
-    argv += ["--shutdown-timeout", str(args.shutdown_timeout), *api_argv(args)]
-    if not args.served_model_name:
-        argv += [f"--served-model-name={typed}"]
-    if args.max_model_len is not None:
-        argv += ["--max-model-len", str(args.max_model_len)]
     key_flags, key_env = router_key_options(args)
-    stack.router = Child("router", argv + key_flags, base_env | key_env)
+    stack.router = Child("router", router_argv(args, model_args, typed) + key_flags, base_env | key_env)
     say(f"started the router on {args.host}:{args.port} (pid {stack.router.pid})")
 
 
@@ -156,6 +150,23 @@ def start(args: argparse.Namespace, stack: Stack, stopping: threading.Event) -> 
     return url
 
 
+def router_argv(args: argparse.Namespace, model_args: list[str], typed: str) -> list[str]:
+    """The router's command line: the API flags, and the burst flags when given."""
+    argv = [*CLI, "router", *model_args, "--host", args.host, "--port", str(args.port)]
+    argv += ["--shutdown-timeout", str(args.shutdown_timeout), *api_argv(args)]
+    if not args.served_model_name:
+        argv += [f"--served-model-name={typed}"]
+    if args.max_model_len is not None:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    for flag, value in (
+        ("--burst-window-ms", args.burst_window_ms),
+        ("--burst-max-tokens", args.burst_max_tokens),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
 # ---- `pdserve up` (registered in pdserve/cli.py)
 def heartbeat_timeout(text: str) -> float:
     """--heartbeat-timeout: 0 (never), or at least the heartbeat's TTL, after which routers have
@@ -197,6 +208,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="kill (SIGKILL) and restart a service that runs but has sent no heartbeat for S "
         f"seconds (stopped, deadlocked); at least {TTL_S:g}, 0: never (default 10)",
+    )
+    parser.add_argument(
+        "--burst-window-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="the router gathers prompts into one burst to a prefill instance for this long (5)",
+    )
+    parser.add_argument(
+        "--burst-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the router sends a burst at once at this many tokens to compute (16384)",
     )
     parser.add_argument(
         "--shutdown-timeout",

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from pdserve.cli import build_parser
+from pdserve.launcher import router_argv
 from pdserve.registry import RedisServer
 from pdserve.rpc import free_port
 from pdserve.supervisor import popen_options
@@ -163,6 +164,18 @@ def test_up_passes_the_api_flags_to_its_router() -> None:
         ["router", "m", "--redis-url", "r", *passed]
     )
     assert (again.served_model_name, again.seed, again.chat_template) == (["a", "b"], 7, "{{ messages }}")
+
+
+def test_up_passes_the_burst_flags_to_its_router_only_when_given() -> None:
+    parse = lambda *flags: build_parser(["up", "m", *flags]).parse_args(["up", "m", *flags])  # noqa: E731
+    plain = router_argv(parse(), ["--model", "m"], "m")
+    assert not [a for a in plain if a.startswith("--burst")]
+    given = router_argv(parse("--burst-window-ms", "20", "--burst-max-tokens", "4096"), ["--model", "m"], "m")
+    i = given.index("--burst-window-ms")
+    assert given[i : i + 4] == ["--burst-window-ms", "20.0", "--burst-max-tokens", "4096"]
+    child = [*given[given.index("router") :], "--redis-url", "r"]  # the stack adds its Redis
+    router = build_parser(child).parse_args(child)
+    assert (router.burst_window_ms, router.burst_max_tokens) == (20.0, 4096)
 
 
 def test_pdserve_up_serves_a_relative_symlinked_model_as_typed(tmp_path: Path, linked_model: str) -> None:
