@@ -181,6 +181,8 @@ if [ -n "$LONG" ]; then
 fi
 kill -TERM $UP; wait $UP
 tail -5 "$OUT/up.log"
+# the whole run's steps at a glance (PDSERVE_STEP_LOG; --start/--end to part it by cell)
+[ -s "$OUT/steps.jsonl" ] && python3 -m pdserve.engine.step_log_summary "$OUT/steps.jsonl" | tee -a "$OUT/bench.log"
 # one archive for the logs and exports (the device tool brings back only a few files)
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude bench.log --exclude "triton-cache.*" * &&
     find . -type f ! -name results.tgz ! -name bench.log ! -name "triton-cache.*" -delete)

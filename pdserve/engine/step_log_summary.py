@@ -1,0 +1,94 @@
+"""What a step log says at a glance: `python -m pdserve.engine.step_log_summary steps.jsonl`.
+
+The step log (`pdserve.engine.step_log`, `PDSERVE_STEP_LOG`) has a line a pass; a served benchmark
+writes thousands. Reading where a first token's time went meant the same throwaway script every
+session (docs/benchmarks.md, sessions 15-24), so this prints it:
+  - decode-only steps: how many, and their wall time p50 / p90 / p99 / max;
+  - prefill passes by their new tokens (up to 1K, 2K, 4K, 8K, more), alone or beside decode
+    rows: how many, wall time p50 / max, checkpoints saved;
+  - the prefix cache's traffic: hits by source, entries evicted and moved to the host tier, and
+    the passes that ran right after a step that moved some (their copies share the compute stream);
+  - a background pass's host time a step (`bg_ms`), where there was one.
+`--start` / `--end` (seconds from the first line) keep one part of a run, e.g. one benchmark cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+BUCKETS = (1024, 2048, 4096, 8192)  # upper bounds of the prefill pass classes, in new tokens
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def bucket(tokens: int) -> str:
+    upper = next((b for b in BUCKETS if tokens <= b), None)
+    return f"<= {upper}" if upper else f"> {BUCKETS[-1]}"
+
+
+def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf")) -> list[str]:
+    """The summary of step-log lines between `start` and `end` seconds after the first one."""
+    rows = list(lines)
+    t0 = rows[0]["t"] if rows else 0.0
+    rows = [r for r in rows if start <= r["t"] - t0 <= end]
+    if not rows:
+        return ["no steps"]
+    out = [f"{len(rows)} steps over {rows[-1]['t'] + rows[-1]['s'] - rows[0]['t']:.1f} s"]
+    decode = [1000 * r["s"] for r in rows if not r["tokens"]]
+    if decode:
+        q = [quantile(decode, p) for p in (0.5, 0.9, 0.99)]
+        out.append(
+            f"decode-only steps: {len(decode)}, ms p50 {q[0]:.1f} / p90 {q[1]:.1f} / p99 {q[2]:.1f} "
+            f"/ max {max(decode):.1f}"
+        )
+    passes: defaultdict[tuple[str, bool], list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["tokens"]:
+            passes[(bucket(r["tokens"]), r["decode"] > 0)].append(r)
+    order = {f"<= {b}": i for i, b in enumerate(BUCKETS)}
+    for (size, mixed), group in sorted(passes.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
+        ms = [1000 * r["s"] for r in group]
+        out.append(
+            f"prefill {size:>7} tokens{' + decode' if mixed else '         '}: {len(group):4d} passes, "
+            f"ms p50 {quantile(ms, 0.5):.1f} / max {max(ms):.1f}, saves {sum(r['saves'] for r in group)}"
+        )
+    hits: Counter[str] = Counter()
+    for r in rows:
+        hits.update(r.get("hits", {}))
+    evicted, to_host = sum(r.get("evicted", 0) for r in rows), sum(r.get("to_host", 0) for r in rows)
+    if hits or evicted:
+        after = [
+            1000 * b["s"] for a, b in zip(rows, rows[1:], strict=False) if a.get("to_host") and b["tokens"]
+        ]
+        tail = (
+            f"; passes right after a move: {len(after)}, ms p50 {quantile(after, 0.5):.1f}" if after else ""
+        )
+        out.append(f"prefix cache: hits {dict(hits)}, evicted {evicted}, to the host tier {to_host}{tail}")
+    background = [r["bg_ms"] for r in rows if "bg_ms" in r]
+    if background:
+        out.append(
+            f"background pass: {len(background)} steps, host ms a step p50 {quantile(background, 0.5):.1f} "
+            f"/ max {max(background):.1f}"
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="a step log (JSON lines)")
+    parser.add_argument("--start", type=float, default=0.0, help="seconds from its first line")
+    parser.add_argument("--end", type=float, default=float("inf"), help="seconds from its first line")
+    args = parser.parse_args()
+    with open(args.path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    print("\n".join(summarize(lines, args.start, args.end)))
+
+
+if __name__ == "__main__":
+    main()

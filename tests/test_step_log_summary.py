@@ -1,0 +1,54 @@
+"""`python -m pdserve.engine.step_log_summary`: a step log's decode steps, prefill passes by size,
+cache traffic and background host time, from a log written here line by line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pdserve.engine.step_log_summary import bucket, summarize
+
+
+def _line(t: float, ms: float, decode: int = 0, tokens: int = 0, **extra: object) -> dict:
+    chunks = 1 if tokens else 0
+    return {"t": t, "s": ms / 1000, "decode": decode, "chunks": chunks, "tokens": tokens, "saves": 0,
+            "running": decode + chunks, "waiting": 0, **extra}  # fmt: skip
+
+
+def test_buckets_are_upper_bounds() -> None:
+    assert [bucket(n) for n in (1, 1024, 1025, 8192, 8193)] == [
+        "<= 1024",
+        "<= 1024",
+        "<= 2048",
+        "<= 8192",
+        "> 8192",
+    ]
+
+
+def test_a_log_is_summarized_by_kind_of_step(tmp_path) -> None:
+    lines = [_line(0.01 * i, 10.0 + i, decode=4) for i in range(10)]  # decode steps of 10-19 ms
+    lines += [
+        _line(1.0, 40.0, tokens=800, hits={"gpu": 3}),
+        _line(1.1, 20.0, decode=4, evicted=5, to_host=2),
+        _line(1.2, 150.0, decode=4, tokens=7000, saves=30, hits={"gpu": 28, "host": 2}),
+        _line(1.4, 9.0, decode=4, bg_ms=6.5),
+    ]
+    summary = summarize(lines)
+    assert summary[0] == "14 steps over 1.4 s"
+    assert summary[1].startswith("decode-only steps: 12, ms p50 15.0") and "max 20.0" in summary[1]
+    assert "prefill <= 1024 tokens         :    1 passes, ms p50 40.0" in summary[2]
+    assert "prefill <= 8192 tokens + decode:    1 passes, ms p50 150.0 / max 150.0, saves 30" in summary[3]
+    assert "hits {'gpu': 31, 'host': 2}, evicted 5, to the host tier 2" in summary[4]
+    assert "passes right after a move: 1, ms p50 150.0" in summary[4]
+    assert summary[5] == "background pass: 1 steps, host ms a step p50 6.5 / max 6.5"
+    # --start / --end keep a window, in seconds from the first line
+    assert summarize(lines, start=1.15)[0] == "2 steps over 0.2 s"
+    assert summarize(lines, start=5) == ["no steps"]
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve.engine.step_log_summary", str(path), "--end", "0.5"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert run.stdout.splitlines()[0] == "10 steps over 0.1 s"
