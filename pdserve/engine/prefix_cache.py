@@ -81,8 +81,6 @@ class PrefixCache(PrefixEntryStore):
         self.resume_suffixes: list[tuple[int, ...]] = []
         self.refused: weakref.WeakSet[Sequence] = weakref.WeakSet()  # a pull did not pay for them
         self._seq_keys: weakref.WeakKeyDictionary[Sequence, _SeqKeys] = weakref.WeakKeyDictionary()
-        # the latest entry each sequence made: its generation's entry is linked from it
-        self._last_made: weakref.WeakKeyDictionary[Sequence, CacheEntry] = weakref.WeakKeyDictionary()
 
     # ---- keys
     def block_keys(self, token_ids: list[int]) -> list[bytes]:
@@ -255,10 +253,9 @@ class PrefixCache(PrefixEntryStore):
         (`CacheEntry.followed_by`: in a chat, the resume point before the generation prompt), so
         the next turn restoring that one passes the answer over (`_pass_over`)."""
         self._add(entry)
-        earlier = self._last_made.get(seq)
-        if entry.kind == "decode" and earlier is not None:
-            earlier.followed_by = entry
-        self._last_made[seq] = entry
+        if entry.kind == "decode" and seq.last_entry is not None:
+            seq.last_entry.followed_by = entry
+        seq.last_entry = entry
         self.supersede(seq, entry.num_tokens)
 
     def supersede(self, seq: Sequence, num_tokens: int) -> None:

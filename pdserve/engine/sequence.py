@@ -33,6 +33,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV and GDN state are in the pools
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     last_checkpoint: int = 0  # prefix cache: tokens of the latest entry made from this sequence
+    last_entry: CacheEntry | None = None  # prefix cache: that entry (`PrefixCache._made`)
     # prefix cache: the entry it started from, until it makes one further along (then that one
     # stands for it: `PrefixCache.supersede`)
     restored_from: CacheEntry | None = None

@@ -28,8 +28,14 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def bucket(tokens: int) -> str:
-    upper = next((b for b in BUCKETS if tokens <= b), None)
-    return f"<= {upper}" if upper else f"> {BUCKETS[-1]}"
+    return LABELS[_bucket_index(tokens)]
+
+
+def _bucket_index(tokens: int) -> int:
+    return next((i for i, upper in enumerate(BUCKETS) if tokens <= upper), len(BUCKETS))
+
+
+LABELS = [f"<= {upper}" for upper in BUCKETS] + [f"> {BUCKETS[-1]}"]
 
 
 def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf")) -> list[str]:
@@ -47,15 +53,14 @@ def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf
             f"decode-only steps: {len(decode)}, ms p50 {q[0]:.1f} / p90 {q[1]:.1f} / p99 {q[2]:.1f} "
             f"/ max {max(decode):.1f}"
         )
-    passes: defaultdict[tuple[str, bool], list[dict]] = defaultdict(list)
+    passes: defaultdict[tuple[int, bool], list[dict]] = defaultdict(list)
     for r in rows:
         if r["tokens"]:
-            passes[(bucket(r["tokens"]), r["decode"] > 0)].append(r)
-    order = {f"<= {b}": i for i, b in enumerate(BUCKETS)}
-    for (size, mixed), group in sorted(passes.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
-        ms = [1000 * r["s"] for r in group]
+            passes[(_bucket_index(r["tokens"]), r["decode"] > 0)].append(r)
+    for (size, mixed), group in sorted(passes.items()):
+        ms, beside = [1000 * r["s"] for r in group], " + decode" if mixed else " " * 9
         out.append(
-            f"prefill {size:>7} tokens{' + decode' if mixed else '         '}: {len(group):4d} passes, "
+            f"prefill {LABELS[size]:>7} tokens{beside}: {len(group):4d} passes, "
             f"ms p50 {quantile(ms, 0.5):.1f} / max {max(ms):.1f}, saves {sum(r['saves'] for r in group)}"
         )
     hits: Counter[str] = Counter()

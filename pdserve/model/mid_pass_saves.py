@@ -102,24 +102,24 @@ class MidPassSaves:
         total, starts = sum(chunk_lens), [0]
         for length in chunk_lens[:-1]:
             starts.append(starts[-1] + length)
-        if rounds == 1:  # the conv op writes the checkpoints (the saving piece's tensors): no conv rows
-            saving = _saving_piece(chunk_lens, state_slots, saves, device)
+        if rounds == 1:  # the conv op writes the checkpoints: no conv rows
             none, rows = to_device_many([[], []], torch.int64, device)
-            tails = [
-                length - points[0][0] for length, points in zip(chunk_lens, saves, strict=True) if points
-            ]
-            if max(chunk_lens) <= limit and total <= token_limit:
-                pieces = [saving]  # and so does the recurrent scan
-            elif max(tails) <= limit and sum(tails) <= token_limit:
+            if max(chunk_lens) <= limit and total <= token_limit:  # and so does the recurrent scan
+                piece = _saving_piece(chunk_lens, state_slots, saves, device)
+                return MidPassSaves(
+                    [piece], none, none, rows.view(0, history_len), 0, piece.save_at, piece.save_to
+                )
+            at, to = _save_points(state_slots, saves)
+            at_t, to_t = to_device(at, torch.int32, device), to_device(to, torch.int64, device)
+            tails = [length - a for length, a in zip(chunk_lens, at, strict=True) if a]
+            if max(tails) <= limit and sum(tails) <= token_limit:
                 pieces = _cut_scan(chunk_lens, state_slots, saves, device)
             else:
                 pieces = [
                     _piece(r, starts, chunk_lens, state_slots, saves, limit, token_limit, device)
                     for r in (0, 1)
                 ]
-            return MidPassSaves(
-                pieces, none, none, rows.view(0, history_len), 0, saving.save_at, saving.save_to
-            )
+            return MidPassSaves(pieces, none, none, rows.view(0, history_len), 0, at_t, to_t)
         pieces = [
             _piece(r, starts, chunk_lens, state_slots, saves, limit, token_limit, device)
             for r in range(rounds + 1)
@@ -223,6 +223,14 @@ def _piece(
     return ScanPiece(None if whole else tokens_t, cu_t, slots_t, from_t, to_t, recurrent)
 
 
+def _save_points(state_slots: list[int], saves: list[list[tuple[int, int]]]) -> tuple[list[int], list[int]]:
+    """(save_at, save_to) of a pass whose sequences save at most once, as the conv op and the
+    recurrent scan take them: where each saves (0: none) and its checkpoint (else its own slot)."""
+    at = [points[0][0] if points else 0 for points in saves]
+    to = [points[0][1] if points else slot for points, slot in zip(saves, state_slots, strict=True)]
+    return at, to
+
+
 def _saving_piece(
     chunk_lens: list[int],
     state_slots: list[int],
@@ -232,8 +240,7 @@ def _saving_piece(
     """The whole pass as one recurrent piece whose scan writes each sequence's one checkpoint on
     its way through (no second piece, no gathers: a chat turn's pass, every prompt saving its
     resume point a few tokens before its end)."""
-    at = [points[0][0] if points else 0 for points in saves]
-    to = [points[0][1] if points else slot for points, slot in zip(saves, state_slots, strict=True)]
+    at, to = _save_points(state_slots, saves)
     slots_t, to_t, none_t = to_device_many([state_slots, to, []], torch.int64, device)
     cu_t, at_t = to_device_many([[0, *accumulate(chunk_lens)], at], torch.int32, device)
     return ScanPiece(None, cu_t, slots_t, none_t, to_t, True, at_t)
@@ -249,7 +256,7 @@ def _cut_scan(
     module): the whole pass in order, each saving sequence cut at its save point (its head from
     its slot, its tail from its checkpoint, whose result the copy of the head's state and the
     second piece overwrite), then the tails from the slots."""
-    cu, slots, heads, checkpoints, tails, tail_cu, tail_slots = [0], [], [], [], [], [0], []
+    cu, slots, heads, checkpoints, tails, tail_cu = [0], [], [], [], [], [0]
     start = 0
     for length, slot, points in zip(chunk_lens, state_slots, saves, strict=True):
         if points:
@@ -260,18 +267,17 @@ def _cut_scan(
             checkpoints.append(ck)
             tails.extend(range(start + offset, start + length))
             tail_cu.append(len(tails))
-            tail_slots.append(slot)
         else:
             slots.append(slot)
         start += length
         cu.append(start)
-    slots_t, heads_t, ck_t, tails_t, tail_slots_t = to_device_many(
-        [slots, heads, checkpoints, tails, tail_slots], torch.int64, device
-    )
+    slots_t, heads_t, ck_t, tails_t = to_device_many([slots, heads, checkpoints, tails], torch.int64, device)
     cu_t, tail_cu_t = to_device_many([cu, tail_cu], torch.int32, device)
     return [
         ScanPiece(None, cu_t, slots_t, heads_t, ck_t, False),
-        ScanPiece(tails_t, tail_cu_t, tail_slots_t, heads_t[:0], ck_t[:0], True),
+        ScanPiece(
+            tails_t, tail_cu_t, heads_t, heads_t[:0], ck_t[:0], True
+        ),  # tails go on in the heads' slots
     ]
 
 
