@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.registry import InstanceRegistry, RedisServer
+from pdserve.registry import InstanceInfo, InstanceRegistry, RedisServer
 from pdserve.rpc import free_port
 from pdserve.supervisor import die_with_parent_wrapper, popen_options
 
@@ -64,6 +64,7 @@ class Stack:
         self.redis: RedisServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}  # each process's pdserve arguments, for restart
+        self._restarted: dict[str, float] = {}  # name -> when restart spawned it (time.time())
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = self._make_secrets()
@@ -140,7 +141,9 @@ class Stack:
         return self
 
     def wait_healthy(self, timeout: float) -> dict:
-        """Wait until the router counts every prefill and decode instance live; its /health."""
+        """Wait until the router counts every prefill and decode instance live and each restarted
+        process has registered itself; the router's /health. (A killed instance's registry entry
+        outlives it by up to a heartbeat TTL: the count alone can be the dead incarnation's.)"""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
@@ -148,12 +151,31 @@ class Stack:
                     raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
             try:
                 health = httpx.get(f"{self.url}/health", timeout=2.0).json()
-                if health.get("prefill") == self.num_prefill and health.get("decode") == self.num_decode:
+                roles = (health.get("prefill"), health.get("decode"))
+                if roles == (self.num_prefill, self.num_decode) and self._restarts_registered():
+                    self._restarted.clear()
                     return health
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"stack not healthy after {timeout} s; router log:\n{self.log('router')[-3000:]}")
+
+    def _restarts_registered(self) -> bool:
+        """Every restarted process's registry entry is its new incarnation's (started after it)."""
+        if not self._restarted:
+            return True
+        started = {i.instance_id: i.started_at for i in self._registered()}
+        return all(started.get(name, 0.0) >= at for name, at in self._restarted.items())
+
+    def _registered(self) -> list[InstanceInfo]:
+        """Every instance's registry entry (read from Redis, outside any running event loop)."""
+
+        async def read() -> list[InstanceInfo]:
+            assert self.redis is not None
+            async with InstanceRegistry(self.redis.url, password=self.redis.password) as registry:
+                return [info for role in ("prefill", "decode") for info in await registry.instances(role)]
+
+        return asyncio.run(read())
 
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text()
@@ -168,16 +190,7 @@ class Stack:
         """The load every live instance last published, by instance id (read from Redis; call it
         from a test, not from a running event loop)."""
 
-        async def read() -> dict[str, dict]:
-            assert self.redis is not None
-            async with InstanceRegistry(self.redis.url, password=self.redis.password) as registry:
-                return {
-                    info.instance_id: info.load
-                    for role in ("prefill", "decode")
-                    for info in await registry.instances(role)
-                }
-
-        return asyncio.run(read())
+        return {info.instance_id: info.load for info in self._registered()}
 
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
@@ -187,6 +200,7 @@ class Stack:
         """Start a killed (or exited) process again, under the same instance id and flags."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running: kill it first")
+        self._restarted[name] = time.time()
         self._spawn(name, *self.argv[name])
 
     def stop(self) -> None:
