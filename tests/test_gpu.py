@@ -125,3 +125,32 @@ def test_cuda_checkpoints_packed_equal_alone(
     for name, diff in checkpoint_differences(packed, alone).items():
         assert diff <= 1e-3, f"{name} of a checkpoint differs by {diff:.2e} packed"
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("save_at", [0, 300])
+def test_cuda_prefill_pass_never_waits_for_the_device(tiny_model_dir, save_at: int) -> None:
+    """A prefill pass launches without one host sync (torch's sync debug mode raises at any
+    synchronising call): fla's chunked scan gets its chunk index from the host (the whole pass,
+    or the cut scan's first piece when each prompt saves), so a pass launched while a step runs
+    ahead, or a background pass beside a decode step, never waits for them. Without the index
+    the same pass raises: the check sees fla's read."""
+    from pdserve.ops.bench_prefill_step import PassSpec, prefill_batch
+
+    llm = LLM(str(tiny_model_dir), **{**CUDA_FP32, "max_model_len": 1024}, max_num_seqs=4)
+    runner = llm.engine.runner
+    spec = PassSpec(prompts=2, length=600, save_at=save_at)  # segments over RECURRENT_MAX_CUDA: fla
+    with torch.inference_mode():
+        runner.model(prefill_batch(runner, spec)[0])  # fla's autotuners time their configs (syncing) once
+        batch = prefill_batch(runner, spec)[0]
+        chunked = [batch] if batch.saves is None else [p for p in batch.saves.pieces if not p.recurrent]
+        assert chunked, "no chunked scan in the pass: the case tests nothing"
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runner.model(batch)
+            for owner in chunked:  # the same pass without the index: fla reads cu_seqlens
+                setattr(owner, "gdn_chunks" if owner is batch else "chunks", None)
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                runner.model(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import ops
 from pdserve.model.mid_pass_saves import MidPassSaves
 from pdserve.pinned import to_device_many
 
@@ -28,6 +29,7 @@ class ForwardBatch:
     is_decode: bool  # every sequence has exactly one new token: the single-step ops apply
     max_query_len: int = 1  # the most new tokens of one sequence (a host int: no device read)
     saves: MidPassSaves | None = None  # prefix checkpoints this pass takes on its way through
+    gdn_chunks: torch.Tensor | None = None  # [NC, 2] int64: `ops.gdn_chunk_index` (prefill only)
     # a background pass beside decode steps: its prefill attention holds at most this many SMs
     attention_programs: int | None = None
 
@@ -63,9 +65,11 @@ class ForwardBatch:
             seq_lens.append(start + len(toks))
         width = max(1, max(len(t) for t in block_tables))
         tables = [p for t in block_tables for p in (*t, *[0] * (width - len(t)))]
+        is_decode = all(len(t) == 1 for t in token_ids)
+        chunks = [] if is_decode else ops.gdn_chunk_index([len(t) for t in token_ids])
         # two copies for the whole batch (never waiting for the step in flight): int64, int32
-        ids_t, positions_t, slots_t, state_t, logits_t = to_device_many(
-            [ids, positions, slots, state_slots, [c - 1 for c in cu[1:]]], torch.int64, device
+        ids_t, positions_t, slots_t, state_t, logits_t, chunks_t = to_device_many(
+            [ids, positions, slots, state_slots, [c - 1 for c in cu[1:]], chunks], torch.int64, device
         )
         cu_t, seq_lens_t, tables_t = to_device_many([cu, seq_lens, tables], torch.int32, device)
         return ForwardBatch(
@@ -77,6 +81,7 @@ class ForwardBatch:
             slot_mapping=slots_t,
             state_slots=state_t,
             logits_indices=logits_t,
-            is_decode=all(len(t) == 1 for t in token_ids),
+            is_decode=is_decode,
             max_query_len=max(len(t) for t in token_ids),
+            gdn_chunks=None if is_decode else chunks_t.view(-1, 2),
         )

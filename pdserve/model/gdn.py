@@ -63,7 +63,8 @@ class GatedDeltaNet(nn.Module):
             o = batch.saves.scan(q, k, v, g, beta, self.recurrent_pool)
         else:
             o = ops.gdn_chunk_prefill(
-                q, k, v, g, beta, batch.cu_seqlens, self.recurrent_pool, batch.state_slots
-            )
+                q, k, v, g, beta, batch.cu_seqlens, self.recurrent_pool, batch.state_slots,
+                chunks=batch.gdn_chunks,
+            )  # fmt: skip
         o = self.norm(o, z)
         return linear_to_norm(o, self.out_proj)

@@ -64,6 +64,7 @@ class ScanPiece:
     # [Np] int32: the recurrent scan saves sequence n's state after save_at[n] tokens (0: none)
     # to save_to[n] itself, on its way through (the whole pass one piece)
     save_at: torch.Tensor | None = None
+    chunks: torch.Tensor | None = None  # [NC, 2] int64: `ops.gdn_chunk_index` (a chunked piece)
 
 
 @dataclass(slots=True)
@@ -181,8 +182,12 @@ class MidPassSaves:
                     *inputs, piece.cu_seqlens, recurrent_pool, piece.state_slots, piece.save_at, piece.save_to
                 )
                 continue
-            scan = ops.gdn_recurrent_prefill if piece.recurrent else ops.gdn_chunk_prefill
-            o = scan(*inputs, piece.cu_seqlens, recurrent_pool, piece.state_slots)
+            if piece.recurrent:
+                o = ops.gdn_recurrent_prefill(*inputs, piece.cu_seqlens, recurrent_pool, piece.state_slots)
+            else:
+                o = ops.gdn_chunk_prefill(
+                    *inputs, piece.cu_seqlens, recurrent_pool, piece.state_slots, chunks=piece.chunks
+                )
             if t is None:
                 out = o
             else:
@@ -218,9 +223,13 @@ def _piece(
     recurrent = max(b - a for a, b in pairwise(cu)) <= limit and len(tokens) <= token_limit
     total = sum(chunk_lens)
     whole = len(tokens) == total and tokens == list(range(total))
-    tokens_t, slots_t, from_t, to_t = to_device_many([tokens, slots, save_from, save_to], torch.int64, device)
+    chunks = [] if recurrent else ops.gdn_chunk_index([b - a for a, b in pairwise(cu)])
+    tokens_t, slots_t, from_t, to_t, chunks_t = to_device_many(
+        [tokens, slots, save_from, save_to, chunks], torch.int64, device
+    )
     cu_t = to_device(cu, torch.int32, device)
-    return ScanPiece(None if whole else tokens_t, cu_t, slots_t, from_t, to_t, recurrent)
+    chunks_t = None if recurrent else chunks_t.view(-1, 2)
+    return ScanPiece(None if whole else tokens_t, cu_t, slots_t, from_t, to_t, recurrent, chunks=chunks_t)
 
 
 def _save_points(state_slots: list[int], saves: list[list[tuple[int, int]]]) -> tuple[list[int], list[int]]:
@@ -271,10 +280,13 @@ def _cut_scan(
             slots.append(slot)
         start += length
         cu.append(start)
-    slots_t, heads_t, ck_t, tails_t = to_device_many([slots, heads, checkpoints, tails], torch.int64, device)
+    chunks = ops.gdn_chunk_index([b - a for a, b in pairwise(cu)])
+    slots_t, heads_t, ck_t, tails_t, chunks_t = to_device_many(
+        [slots, heads, checkpoints, tails, chunks], torch.int64, device
+    )
     cu_t, tail_cu_t = to_device_many([cu, tail_cu], torch.int32, device)
     return [
-        ScanPiece(None, cu_t, slots_t, heads_t, ck_t, False),
+        ScanPiece(None, cu_t, slots_t, heads_t, ck_t, False, chunks=chunks_t.view(-1, 2)),
         ScanPiece(
             tails_t, tail_cu_t, heads_t, heads_t[:0], ck_t[:0], True
         ),  # tails go on in the heads' slots

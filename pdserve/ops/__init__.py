@@ -12,6 +12,7 @@ mismatch, then hands the call to the implementation for the tensors' device (`_i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -28,11 +29,14 @@ from pdserve.ops.layer_ops import (
 )
 from pdserve.ops.shapes import Shapes as _Shapes
 
+GDN_CHUNK = 64  # tokens a chunk of the chunked GDN scan (fla's default)
+
 __all__ = [
     "add_rms_norm",
     "causal_conv1d_prefill",
     "causal_conv1d_step",
     "gated_rms_norm",
+    "gdn_chunk_index",
     "gdn_chunk_prefill",
     "gdn_gates",
     "gdn_recurrent_step",
@@ -106,7 +110,9 @@ def gdn_chunk_prefill(
     cu_seqlens: torch.Tensor,
     recurrent_pool: torch.Tensor,
     slot_ids: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int = GDN_CHUNK,
+    *,
+    chunks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over packed sequences, chunked; each sequence starts from its slot's state.
 
@@ -116,6 +122,10 @@ def gdn_chunk_prefill(
     cu_seqlens: int32 [N+1]. recurrent_pool: [S, Hv, Dk, Dv] (one layer's slice of the state pool).
     slot_ids: int64 [N]: sequence n starts from recurrent_pool[slot_ids[n]], and its final state
     is written back there. Chunks of `chunk_size` tokens restart at each sequence start.
+    chunks: int64 [NC, 2], `gdn_chunk_index` of the sequences' lengths on the device, made with
+    the pass's other inputs: given, the CUDA scan reads nothing on the host (else fla reads
+    cu_seqlens there, a sync that waits for every kernel queued before it: the step in flight,
+    or the decode step a background pass runs beside). The reference needs none.
     Returns o: [T, Hv, Dv] in v's dtype (computed in fp32).
     """
     shapes = _check_gdn(
@@ -124,9 +134,17 @@ def gdn_chunk_prefill(
     _check_pass(shapes, cu_seqlens)
     if chunk_size <= 0:
         raise ValueError(f"gdn_chunk_prefill: chunk_size must be positive, got {chunk_size}")
+    if chunks is not None:
+        shapes("chunks", chunks, "NC 2", torch.int64)
     return _implementation(q).gdn_chunk_prefill(
-        q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids, chunk_size
+        q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids, chunk_size, chunks
     )
+
+
+def gdn_chunk_index(lengths: Sequence[int], chunk_size: int = GDN_CHUNK) -> list[int]:
+    """(sequence, chunk within it) of each `chunk_size`-token chunk of sequences of these lengths,
+    in order, flat: `gdn_chunk_prefill`'s `chunks` (fla's chunk_indices), built on the host."""
+    return [x for n, length in enumerate(lengths) for c in range(-(-length // chunk_size)) for x in (n, c)]
 
 
 def gdn_recurrent_prefill(

@@ -38,6 +38,7 @@ def gdn_chunk_prefill(
     recurrent_pool: torch.Tensor,
     slot_ids: torch.Tensor,
     chunk_size: int,
+    chunks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int32 [N+1];
     recurrent_pool [S, Hv, Dk, Dv]; slot_ids int64 [N] -> o [T, Hv, Dv] in v's dtype.
@@ -45,12 +46,13 @@ def gdn_chunk_prefill(
     fla handles Hv = group x Hk natively (value head h reads key head h // group, as here). q and
     k are l2-normalised here (`l2_normalize`: fla's in-kernel option's arithmetic, without the
     autotuner that compiled under traffic). The N initial states are gathered from the pool (one
-    copy of N x 2 MiB at the real shape) and the final states scattered back. fla reads
-    cu_seqlens on the host to index its chunks, caching the result by tensor identity: `_as_long`
-    hands every layer of a pass the same int64 tensor for the same cu_seqlens, so that read
-    happens once a pass (once a piece, for a pass scanned in pieces), not once a layer.
+    copy of N x 2 MiB at the real shape) and the final states scattered back. `chunks` is fla's
+    chunk index, made on the host by the caller; without it fla reads cu_seqlens on the host (a
+    device sync), caching the result by tensor identity: `_as_long` hands every layer of a pass
+    the same int64 tensor for the same cu_seqlens, so that read happens once a pass.
     """
     rule = _fla_chunk_rule()
+    fla_chunk = chunk_size if chunk_size in _FLA_CHUNK_SIZES else 64
     dtype = v.dtype
     # fla wants one dtype for q/k/v and a fp32 log-decay; contiguous [1, T, H, D] views.
     q, k = (l2_normalize(x, dtype, _L2NORM_EPS)[None] for x in (q, k))
@@ -67,7 +69,8 @@ def gdn_chunk_prefill(
         output_final_state=True,
         use_qk_l2norm_in_kernel=False,
         cu_seqlens=_as_long(cu_seqlens),
-        chunk_size=chunk_size if chunk_size in _FLA_CHUNK_SIZES else 64,
+        chunk_indices=chunks if fla_chunk == chunk_size else None,
+        chunk_size=fla_chunk,
     )
     recurrent_pool.index_copy_(0, slot_ids, final.to(recurrent_pool.dtype))
     return out[0]

@@ -102,6 +102,7 @@ def gdn_chunk_prefill(
     recurrent_pool: torch.Tensor,
     slot_ids: torch.Tensor,
     chunk_size: int,
+    chunks: torch.Tensor | None = None,  # the CUDA scan's index: the reference needs none
 ) -> torch.Tensor:
     q, k = _gdn_queries_keys(q, k, v.shape[1])
     values, g, beta = v.float(), g.float(), beta.float()
