@@ -59,8 +59,8 @@ _HELP = {
     "(default 4096 on GPU, 16 on CPU; 0: none)",
     "--num-prefix-checkpoints": "GDN state checkpoints the prefix cache keeps on the device, ~61 MiB "
     "each at the full shape (default: 2 x --max-num-seqs on GPU, 32 on CPU)",
-    "--background-prefill-tokens": "a prompt chunk ending at or past this many tokens runs beside the "
-    "decode steps instead of in them, so short streams keep their ITL (default 32768; 0: never)",
+    "--background-prefill-tokens": "every prompt chunk of a sequence of at least this many tokens runs "
+    "beside the decode steps instead of in them, so short streams keep their ITL (default 32768; 0: never)",
     "--background-prefill-sms": "SMs a background prefill pass may hold on a GPU (default: all but 32; "
     "0: the whole device)",
 }

@@ -56,9 +56,10 @@ class EngineConfig:
     # the prefix cache's pinned host tier for entries evicted from the device, MiB (0: none);
     # None: 4,096 on a GPU, 16 on a CPU (the same code path, a small pool)
     snapshot_pool_mb: int | None = None
-    # a prompt chunk ending at or past this many tokens of its sequence, in a step that also
-    # decodes, runs as a background pass beside the decode steps (pdserve.engine.background_pass;
-    # 0: never); and the SMs that pass may hold on a GPU (None: all but 32; 0: the whole device)
+    # a prompt chunk of a sequence of at least this many tokens, in a step that also decodes
+    # (or admits short prompts), runs as a background pass beside the decode steps
+    # (pdserve.engine.background_pass; 0: never); and the SMs that pass may hold on a GPU
+    # (None: all but 32; 0: the whole device)
     background_prefill_tokens: int = 32768
     background_prefill_sms: int | None = None
     # what the engine serves: "prefill" captures no decode graphs (it never decodes), "decode"

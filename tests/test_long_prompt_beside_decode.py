@@ -121,3 +121,27 @@ def test_a_short_request_starts_during_a_long_prefill(tiny_model_dir, device: st
     assert (background_steps > 0) == bool(background)
     assert [outputs[long_id].token_ids, outputs[short_id].token_ids] == alone
     assert_no_leaks(engine)
+
+
+def test_a_long_prompts_first_chunk_already_runs_beside_decoding(tiny_model_dir) -> None:
+    """Every chunk of a prompt of at least the threshold's tokens runs as a background pass beside
+    the decode rows, its first one too (session 24: a 131K-token prompt's first four 8K chunks,
+    which ended below the threshold, ran in mixed steps of 115-183 ms, the streams' worst gaps);
+    its tokens are those it gives alone."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=128, background_prefill_tokens=200,
+              enable_prefix_caching=False)  # fmt: skip
+    long_prompt, short = random_prompts((400, 12), seed=14, vocab=1000)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([long_prompt], params)[0].token_ids
+    engine = llm.engine
+    short_id = engine.add_request(short, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    engine.step()
+    long_id = engine.add_request(long_prompt, params)
+    engine.step()  # the long prompt's first chunk (tokens 0-127, below the threshold)
+    current = engine.background.current
+    assert current is not None and current.seq.request_id == long_id and current.seq.num_computed_tokens == 0
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+    assert outputs[long_id].token_ids == alone and outputs[short_id].finished
+    assert_no_leaks(engine)

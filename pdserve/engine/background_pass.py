@@ -3,9 +3,11 @@ inter-token latency while a 262K-token prompt prefills).
 
 In a mixed step the decode rows wait for the step's prompt chunk, whose attention grows with the
 context already cached (~100 ms a 1K-token chunk at 262K). So when a step would carry other rows
-(decoding, or short prompts admitted beside it) and a prompt chunk ending at or past
-`EngineConfig.background_prefill_tokens`, the engine takes that chunk out of the step and runs it
-as a BACKGROUND PASS:
+(decoding, or short prompts admitted beside it) and a chunk of a sequence of at least
+`EngineConfig.background_prefill_tokens` tokens, the engine takes that chunk out of the step and
+runs it as a BACKGROUND PASS (every chunk of a long prompt, its first ones too: session 24's
+131K-token prompt ran its first four 8K chunks in mixed steps of 115-183 ms, the decode rows'
+worst gaps, when the trigger was a chunk ending past the threshold):
   - its layers are launched a few at a time between the foreground steps, from the one engine
     thread (`Qwen3MoeHybrid.forward_layers`), on a stream of its own: on a GPU a stream of a CUDA
     green context holding `background_prefill_sms` SMs, so the decode steps (the default stream,
@@ -162,14 +164,14 @@ class BackgroundLane:
         self._stream: torch.cuda.Stream | None = None  # made at the first pass
 
     def split(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], ScheduledSeq | None]:
-        """(the step, a long prompt chunk taken out of it for a background pass): one ending at or
-        past the threshold, in a step that also runs other sequences (decoding, or short prompts
-        admitted beside it), while no pass runs."""
+        """(the step, a long prompt chunk taken out of it for a background pass): a chunk of a
+        sequence of at least the threshold's tokens, in a step that also runs other sequences
+        (decoding, or short prompts admitted beside it), while no pass runs."""
         if not self.threshold or self.current is not None or len(scheduled) < 2:
             return scheduled, None
         for item in scheduled:
             seq = item.seq
-            if item.num_new_tokens > 1 and seq.num_computed_tokens + item.num_new_tokens >= self.threshold:
+            if item.num_new_tokens > 1 and seq.num_tokens >= self.threshold:
                 if seq.prompt_logprobs is not None:  # scored in its passes: kept in the foreground
                     continue
                 return [s for s in scheduled if s is not item], item
