@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.model import mid_pass_saves
 from tests.helpers import assert_no_leaks, random_prompts
 
 LONG = 6000
@@ -145,3 +147,38 @@ def test_a_long_prompts_first_chunk_already_runs_beside_decoding(tiny_model_dir)
         outputs.update((out.request_id, out) for out in engine.step())
     assert outputs[long_id].token_ids == alone and outputs[short_id].finished
     assert_no_leaks(engine)
+
+
+@pytest.mark.gpu
+def test_cuda_background_pass_starts_without_waiting_for_the_device(tiny_model_dir, tmp_path) -> None:
+    """Starting a background pass and launching its first layers (the step log's `bg_ms`) never
+    waits for the GPU: with the default stream held ~0.2 s by a spin kernel queued just before
+    the step, the host spends milliseconds on the pass. Its chunks (1,024 tokens, over
+    RECURRENT_MAX_CUDA) scan through fla, whose host read of cu_seqlens waited for the spin and
+    the step (session 24's 130-147 ms `bg_ms` at a long prompt's first background pass)."""
+    model = tmp_path / "tiny-8k"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (model / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(model), device="cuda", dtype="float32", max_model_len=8192, max_num_batched_tokens=1024,
+              background_prefill_tokens=2048, max_num_seqs=4, num_kv_pages=600,
+              enable_prefix_caching=False)  # fmt: skip
+    engine = llm.engine
+    for attempt in range(2):  # the first builds what the pass needs (kernels, the green context)
+        long_prompt, short = random_prompts((3000, 12), seed=30 + attempt, vocab=1000)
+        engine.add_request(short, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        engine.step()
+        engine.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # ~0.2 s of one SM spinning, ahead of the step on the default stream
+        began = time.perf_counter()
+        engine.step()  # launches the decode step, then starts the long prompt's first chunk beside it
+        stepped = time.perf_counter() - began
+        started, host_s = engine.background.current, engine.background.host_s
+        while engine.has_unfinished():
+            engine.step()
+    assert started is not None and started.item.num_new_tokens > mid_pass_saves.RECURRENT_MAX_CUDA  # fla
+    assert host_s < 0.05, (
+        f"the pass's start took {host_s * 1e3:.0f} ms of host time, the step {stepped * 1e3:.0f}"
+    )

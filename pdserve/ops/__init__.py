@@ -122,10 +122,8 @@ def gdn_chunk_prefill(
     cu_seqlens: int32 [N+1]. recurrent_pool: [S, Hv, Dk, Dv] (one layer's slice of the state pool).
     slot_ids: int64 [N]: sequence n starts from recurrent_pool[slot_ids[n]], and its final state
     is written back there. Chunks of `chunk_size` tokens restart at each sequence start.
-    chunks: int64 [NC, 2], `gdn_chunk_index` of the sequences' lengths on the device, made with
-    the pass's other inputs: given, the CUDA scan reads nothing on the host (else fla reads
-    cu_seqlens there, a sync that waits for every kernel queued before it: the step in flight,
-    or the decode step a background pass runs beside). The reference needs none.
+    chunks: int64 [NC, 2], `gdn_chunk_index` of the lengths: given, the CUDA scan reads nothing on
+    the host (fla would read cu_seqlens, a sync waiting for the step in flight). Reference: unused.
     Returns o: [T, Hv, Dv] in v's dtype (computed in fp32).
     """
     shapes = _check_gdn(
