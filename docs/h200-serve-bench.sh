@@ -14,11 +14,13 @@
 # --no-enable-prefix-caching (issue 9's point 5 ratio, one machine); LONG="131072 262136", `pdserve bench-long` (issue 12: each long
 # prompt in turn while 4 short streams decode). UP_FLAGS go to `pdserve up` (e.g.
 # --no-enable-prefix-caching); MAX_MODEL_LEN= (empty) leaves max_model_len to the engine.
+# CONV_VARIANTS="--prefill-graphs;--burst-window-ms 30": after the cached run, the conversations
+# again on a stack restarted with UP_FLAGS plus each variant's flags (one machine, one call).
 set -uo pipefail
 OUT=${OUT:-/tmp/pdserve-bench}
 W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
 CELLS=${CELLS-"1024:4 1024:16 1024:32 8192:4 8192:16"}  # CELLS= (empty): none
-CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-}
+CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-} CONV_VARIANTS=${CONV_VARIANTS:-}
 MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
 PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv): py-spy records the engine and the router
 # for PROFILE_SECONDS (12) from PROFILE_AFTER (2) s after the cell's first request reaches the
@@ -161,16 +163,28 @@ for turn in sorted(rows):
 EOF3
     split
 }
+restart() {  # restart LOG [FLAGS...]: the stack again, with these flags
+    kill -TERM $UP; wait $UP
+    start_up "$@"
+}
 if [ -n "$CONV" ]; then
     run_conv cache
+    IFS=';' read -ra variants <<<"$CONV_VARIANTS"
+    for i in "${!variants[@]}"; do  # the cached conversations with more flags each
+        restart "up-variant$i.log" $UP_FLAGS ${variants[$i]}
+        run_conv "variant$i"
+        log "variant$i was: ${variants[$i]}"
+    done
     if [ -n "${CONV_NOCACHE:-}" ]; then  # issue 9's ratio: the same workload without the cache, same machine
-        kill -TERM $UP; wait $UP
-        start_up up-nocache.log $UP_FLAGS --no-enable-prefix-caching
+        restart up-nocache.log $UP_FLAGS --no-enable-prefix-caching
         run_conv nocache
-        python3 - "$OUT/conv-cache.p50" "$OUT/conv-nocache.p50" <<'EOF5' | tee -a "$OUT/bench.log"
-import sys
-cached, plain = (float(open(path).read()) for path in sys.argv[1:])
-print(f"  conversations TTFT p50: {cached:.0f} ms with the cache, {plain:.0f} ms without: {cached / plain:.0%}")
+        python3 - "$OUT"/conv-nocache.p50 "$OUT"/conv-cache.p50 "$OUT"/conv-variant*.p50 <<'EOF5' | tee -a "$OUT/bench.log"
+import pathlib, sys
+plain, *runs = (pathlib.Path(p) for p in sys.argv[1:] if pathlib.Path(p).exists())
+base = float(plain.read_text())
+for run in runs:  # the cached run, then each variant's
+    ttft = float(run.read_text())
+    print(f"  conversations TTFT p50 ({run.stem[5:]}): {ttft:.0f} ms, {base:.0f} ms without the cache: {ttft / base:.0%}")
 EOF5
     fi
 fi
