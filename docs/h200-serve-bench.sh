@@ -15,12 +15,13 @@
 # prompt in turn while 4 short streams decode). UP_FLAGS go to `pdserve up` (e.g.
 # --no-enable-prefix-caching); MAX_MODEL_LEN= (empty) leaves max_model_len to the engine.
 # CONV_VARIANTS="--prefill-graphs;--burst-window-ms 30": after the cached run, the conversations
-# again on a stack restarted with UP_FLAGS plus each variant's flags (one machine, one call).
+# again on a stack restarted with UP_FLAGS plus each variant's flags (one machine, one call);
+# LONG_VARIANTS the same for the long prompts (e.g. "--background-prefill-sms 92").
 set -uo pipefail
 OUT=${OUT:-/tmp/pdserve-bench}
 W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
 CELLS=${CELLS-"1024:4 1024:16 1024:32 8192:4 8192:16"}  # CELLS= (empty): none
-CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-} CONV_VARIANTS=${CONV_VARIANTS:-}
+CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-} CONV_VARIANTS=${CONV_VARIANTS:-} LONG_VARIANTS=${LONG_VARIANTS:-}
 MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
 PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv): py-spy records the engine and the router
 # for PROFILE_SECONDS (12) from PROFILE_AFTER (2) s after the cell's first request reaches the
@@ -192,6 +193,13 @@ if [ -n "$LONG" ]; then
     log "bench-long: $LONG"
     timeout 240 python3 -m pdserve.cli bench-long --model qwen36 --long $LONG --out "$OUT/long.json" 2>&1 \
         | tee -a "$OUT/bench.log"
+    IFS=';' read -ra variants <<<"$LONG_VARIANTS"
+    for i in "${!variants[@]}"; do
+        restart "up-long$i.log" $UP_FLAGS ${variants[$i]}
+        log "bench-long: $LONG with ${variants[$i]}"
+        timeout 240 python3 -m pdserve.cli bench-long --model qwen36 --long $LONG --out "$OUT/long$i.json" 2>&1 \
+            | tee -a "$OUT/bench.log"
+    done
 fi
 kill -TERM $UP; wait $UP
 tail -5 "$OUT/up.log"
