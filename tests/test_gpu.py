@@ -136,7 +136,7 @@ def test_cuda_prefill_pass_never_waits_for_the_device(tiny_model_dir, save_at: i
     the same pass raises: the check sees fla's read."""
     from pdserve.ops.bench_prefill_step import PassSpec, prefill_batch
 
-    llm = LLM(str(tiny_model_dir), **{**CUDA_FP32, "max_model_len": 1024}, max_num_seqs=4)
+    llm = LLM(str(tiny_model_dir), **{**CUDA_FP32, "max_model_len": 1024}, max_num_seqs=8)  # 8 slots taken
     runner = llm.engine.runner
     spec = PassSpec(prompts=2, length=600, save_at=save_at)  # segments over RECURRENT_MAX_CUDA: fla
     with torch.inference_mode():
