@@ -57,12 +57,15 @@ class ForwardBatch:
             raise ValueError("every sequence in a batch needs at least one new token")
         ids, positions, slots, cu, seq_lens = [], [], [], [0], []
         for toks, start, table in zip(token_ids, start_positions, block_tables, strict=True):
+            end = start + len(toks)
             ids.extend(toks)
-            for p in range(start, start + len(toks)):
-                positions.append(p)
-                slots.append(table[p // page_size] * page_size + p % page_size)
-            cu.append(cu[-1] + len(toks))
-            seq_lens.append(start + len(toks))
+            positions.extend(range(start, end))
+            for page in range(start // page_size, (end - 1) // page_size + 1):  # a run of slots a page
+                first = page * page_size
+                shift = table[page] * page_size - first
+                slots.extend(range(shift + max(start, first), shift + min(end, first + page_size)))
+            cu.append(end - start + cu[-1])
+            seq_lens.append(end)
         width = max(1, max(len(t) for t in block_tables))
         tables = [p for t in block_tables for p in (*t, *[0] * (width - len(t)))]
         is_decode = all(len(t) == 1 for t in token_ids)
