@@ -64,7 +64,7 @@ class ForwardBatch:
                 first = page * page_size
                 shift = table[page] * page_size - first
                 slots.extend(range(shift + max(start, first), shift + min(end, first + page_size)))
-            cu.append(end - start + cu[-1])
+            cu.append(cu[-1] + len(toks))
             seq_lens.append(end)
         width = max(1, max(len(t) for t in block_tables))
         tables = [p for t in block_tables for p in (*t, *[0] * (width - len(t)))]

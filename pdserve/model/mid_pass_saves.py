@@ -285,12 +285,9 @@ def _cut_scan(
         [slots, heads, checkpoints, tails, chunks], torch.int64, device
     )
     cu_t, tail_cu_t = to_device_many([cu, tail_cu], torch.int32, device)
-    return [
-        ScanPiece(None, cu_t, slots_t, heads_t, ck_t, False, chunks=chunks_t.view(-1, 2)),
-        ScanPiece(
-            tails_t, tail_cu_t, heads_t, heads_t[:0], ck_t[:0], True
-        ),  # tails go on in the heads' slots
-    ]
+    whole = ScanPiece(None, cu_t, slots_t, heads_t, ck_t, False, chunks=chunks_t.view(-1, 2))
+    tails_piece = ScanPiece(tails_t, tail_cu_t, heads_t, heads_t[:0], ck_t[:0], True)  # in the heads' slots
+    return [whole, tails_piece]
 
 
 def _conv_rows(m: int, num_saves: int, start: int, offset: int, history_len: int) -> list[int]:
