@@ -23,9 +23,10 @@ W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
 CELLS=${CELLS-"1024:4 1024:16 1024:32 8192:4 8192:16"}  # CELLS= (empty): none
 CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-} CONV_VARIANTS=${CONV_VARIANTS:-} LONG_VARIANTS=${LONG_VARIANTS:-}
 MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
-PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv): py-spy records the engine and the router
+PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv, or long): py-spy records the engine and the router
 # for PROFILE_SECONDS (12) from PROFILE_AFTER (2) s after the cell's first request reaches the
-# router (AIPerf takes 20-45 s to start: a fixed delay missed most of the conversations once)
+# router (AIPerf takes 20-45 s to start: a fixed delay missed most of the conversations once);
+# PYSPY_FLAGS adds py-spy flags (e.g. --native: the C++ frames under a Python call)
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200-triton-cache.sh" && tcache_restore
 # Where the first tokens waited during a cell, from the router's /metrics before and after it:
@@ -66,7 +67,7 @@ profile_roles() {
      sleep "${PROFILE_AFTER:-2}"
      for role in engine router; do
          pid=$(pgrep -f "pdserve.cli $role" | head -1)
-         [ -n "$pid" ] && py-spy record --nonblocking --idle -d "${PROFILE_SECONDS:-12}" -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
+         [ -n "$pid" ] && py-spy record --nonblocking --idle ${PYSPY_FLAGS:-} -d "${PROFILE_SECONDS:-12}" -r 200 -f speedscope -o "$OUT/pyspy-$role.json" -p "$pid" \
              >"$OUT/pyspy-$role.log" 2>&1 &
      done; wait) &
 }
@@ -191,6 +192,7 @@ EOF5
 fi
 if [ -n "$LONG" ]; then
     log "bench-long: $LONG"
+    [ "$PROFILE_CELL" = long ] && profile_roles
     timeout 240 python3 -m pdserve.cli bench-long --model qwen36 --long $LONG --out "$OUT/long.json" 2>&1 \
         | tee -a "$OUT/bench.log"
     IFS=';' read -ra variants <<<"$LONG_VARIANTS"

@@ -175,7 +175,7 @@ def test_cuda_background_pass_starts_without_waiting_for_the_device(tiny_model_d
         began = time.perf_counter()
         engine.step()  # launches the decode step, then starts the long prompt's first chunk beside it
         stepped = time.perf_counter() - began
-        started, host_s = engine.background.current, engine.background.host_s
+        started, host_s = engine.background.current, engine.background.host.total
         while engine.has_unfinished():
             engine.step()
     assert started is not None and started.item.num_new_tokens > mid_pass_saves.RECURRENT_MAX_CUDA  # fla

@@ -116,8 +116,9 @@ def test_a_step_held_past_the_limit_is_reported_stuck(
 def test_step_log_gives_the_background_pass_host_time(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    """A step beside a background pass logs `bg_ms`, the host time it spent on the pass; the
-    steps before the long prompt's chunks reach the threshold log none."""
+    """A step beside a background pass logs `bg_ms`, the host time it spent on the pass, and its
+    parts: each pass's start and end once (`bg_start_ms`, `bg_end_ms`), the layers launched
+    (`bg_layers`); the steps before the long prompt's chunks reach the threshold log none."""
     path = tmp_path / "steps.jsonl"
     monkeypatch.setenv(step_log.ENV, str(path))
     llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=128, background_prefill_tokens=200)
@@ -132,3 +133,9 @@ def test_step_log_gives_the_background_pass_host_time(
     thread.step_log.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert "bg_ms" not in lines[0] and any(line.get("bg_ms", 0) > 0 for line in lines)
+    starts, ends = (sum(part in line for line in lines) for part in ("bg_start_ms", "bg_end_ms"))
+    assert starts == ends >= 2, (starts, ends)  # each of the chunks past 200 tokens: a pass of its own
+    for line in lines:
+        parts = line.get("bg_start_ms", 0) + line.get("bg_end_ms", 0)
+        assert parts <= line.get("bg_ms", 0) + 1e-3, line
+    assert all(line.get("bg_layers", 0) > 0 for line in lines if "bg_start_ms" in line)

@@ -33,17 +33,20 @@ def test_a_log_is_summarized_by_kind_of_step(tmp_path) -> None:
         _line(1.1, 20.0, decode=4, evicted=5, to_host=2),
         _line(1.2, 150.0, decode=4, tokens=7000, saves=30, hits={"gpu": 28, "host": 2}),
         _line(1.4, 9.0, decode=4, bg_ms=6.5),
+        _line(1.5, 30.0, decode=4, bg_ms=20.0, bg_start_ms=18.0, bg_layers=1),
     ]
     summary = summarize(lines)
-    assert summary[0] == "14 steps over 1.4 s"
-    assert summary[1].startswith("decode-only steps: 12, ms p50 15.0") and "max 20.0" in summary[1]
+    assert summary[0] == "15 steps over 1.5 s"
+    assert summary[1].startswith("decode-only steps: 13, ms p50 15.0") and "max 30.0" in summary[1]
     assert "prefill <= 1024 tokens         :    1 passes, ms p50 40.0" in summary[2]
     assert "prefill <= 8192 tokens + decode:    1 passes, ms p50 150.0 / max 150.0, saves 30" in summary[3]
     assert "hits {'gpu': 31, 'host': 2}, evicted 5, to the host tier 2" in summary[4]
     assert "passes right after a move: 1, ms p50 150.0" in summary[4]
-    assert summary[5] == "background pass: 1 steps, host ms a step p50 6.5 / max 6.5"
+    assert summary[5] == (
+        "background pass: 2 steps, host ms a step p50 20.0 / max 20.0; 1 starts, ms p50 18.0 / max 18.0"
+    )
     # --start / --end keep a window, in seconds from the first line
-    assert summarize(lines, start=1.15)[0] == "2 steps over 0.2 s"
+    assert summarize(lines, start=1.15)[0] == "3 steps over 0.3 s"
     assert summarize(lines, start=5) == ["no steps"]
     path = tmp_path / "steps.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -97,18 +98,20 @@ class BackgroundPass:
             self._layer_done.pop(0)
         return len(self._layer_done)
 
-    def advance(self, until: float) -> None:
+    def advance(self, until: float) -> int:
         """Launch the next layers: up to `LAYERS_PER_STEP`, on a GPU only while fewer than
         `QUEUED_LAYERS` wait there (the queue stays short, so the host time goes where it pays),
-        and past the host clock's `until` only while none waits (the stream never idles for it)."""
-        for _ in range(LAYERS_PER_STEP):
+        and past the host clock's `until` only while none waits (the stream never idles for it).
+        Returns how many it launched."""
+        for launched in range(LAYERS_PER_STEP):
             if self._launched_all():
-                return
+                return launched
             if self.stream is not None:
                 queued = self._queued()
                 if queued >= QUEUED_LAYERS or (queued and time.perf_counter() >= until):
-                    return
+                    return launched
             self._launch_one()
+        return LAYERS_PER_STEP
 
     def run_to_end(self) -> None:
         """Launch what is left and wait for it (nothing else to run beside it, or an abort)."""
@@ -150,6 +153,21 @@ class BackgroundPass:
         return self._finished_on_host
 
 
+@dataclass(slots=True)
+class BackgroundHostTime:
+    """The host time one step spent on the background pass, by part (seconds): starting it (its
+    batch built, the stream's wait), launching its layers (`layers` of them), ending it."""
+
+    start: float = 0.0
+    launch: float = 0.0
+    end: float = 0.0
+    layers: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.start + self.launch + self.end
+
+
 class BackgroundLane:
     """The engine's background passes, one at a time: which chunk of a step goes there (`split`),
     starting and pacing it while the rest of the step runs (`beside`), the pass the GPU has
@@ -160,7 +178,7 @@ class BackgroundLane:
         self.threshold = threshold  # a chunk ending at or past it goes to the background (0: never)
         self.sms = sms
         self.current: BackgroundPass | None = None
-        self.host_s = 0.0  # host time the last step spent starting, launching and ending one
+        self.host = BackgroundHostTime()  # the last step's host time on the pass
         self._stream: torch.cuda.Stream | None = None  # made at the first pass
 
     def split(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], ScheduledSeq | None]:
@@ -181,18 +199,20 @@ class BackgroundLane:
         """While the GPU runs the step just launched: start `item`'s pass (its batch built now,
         not before the step's launch) and launch the next layers (all of them when the step
         launched nothing: `alone`)."""
-        began, self.host_s = time.perf_counter(), 0.0
+        began, self.host = time.perf_counter(), BackgroundHostTime()
         if item is not None:
             if self._stream is None:
                 self._stream = background_stream(self.runner.device, self.sms)
             self.current = BackgroundPass(self.runner, self.sampler, item, self._stream)
+            self.host.start = time.perf_counter() - began
         if self.current is None:
             return
+        launching = time.perf_counter()
         if alone:
             self.current.run_to_end()  # nothing else to run: it may take the whole step
         else:
-            self.current.advance(until=began + HOST_S_PER_STEP)
-        self.host_s = time.perf_counter() - began
+            self.host.layers = self.current.advance(until=began + HOST_S_PER_STEP)
+        self.host.launch = time.perf_counter() - launching
 
     def take_done(self) -> BackgroundPass | None:
         """The pass, once the GPU has run all of it (it is no longer current then)."""

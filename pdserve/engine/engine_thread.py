@@ -163,7 +163,7 @@ class EngineThread:
             cache = engine.prefix_cache
             stats = cache.stats if cache is not None else None
             self.step_log.record(
-                start, took, engine.last_pass, engine.scheduler, engine.background.host_s, stats
+                start, took, engine.last_pass, engine.scheduler, engine.background.host, stats
             )
         compiled = compile_watch.take()  # Triton kernels built in this step (with the watch on)
         if took > SLOW_STEP_S or compiled:

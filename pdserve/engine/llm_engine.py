@@ -171,7 +171,7 @@ class LLMEngine:
         self.scheduler.reached_checkpoint(item)
         self.prefill_rate.measured(item.num_new_tokens, done.started, began)
         outputs = [] if done.sampled is None else self.postprocess([seq], done.sampled, host=done.host)
-        self.background.host_s += time.perf_counter() - began
+        self.background.host.end = time.perf_counter() - began
         return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None, scheduled_at: float) -> InFlight:

@@ -4,7 +4,9 @@
 Each line: `t` (perf_counter at the step's start, s), `s` (its wall time, s), and what the pass it
 launched ran: `decode` rows, prefill `chunks` and their `tokens`, checkpoint `saves`, and the
 scheduler's `running` / `waiting` counts after it; with a background pass in flight, `bg_ms`: the
-host time the step spent starting, launching and ending it; with the prefix cache, `hits` (requests
+host time the step spent starting, launching and ending it, and of that, where not zero,
+`bg_start_ms` (its batch built), `bg_end_ms` (its chunk committed) and `bg_layers` (layers
+launched); with the prefix cache, `hits` (requests
 that started from a cached prefix since the line before, by source: "gpu", "host", "peer") and
 `evicted` (entries taken off the device) and `to_host` (of those, moved to the host tier), where
 not zero: the host tier's copies run on the compute stream, so a pass that restored or demoted
@@ -18,6 +20,7 @@ import logging
 import os
 from typing import TextIO
 
+from pdserve.engine.background_pass import BackgroundHostTime
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
 from pdserve.prefix_stats import PrefixStats
 
@@ -42,7 +45,7 @@ class StepLog:
         took: float,
         last_pass: list[ScheduledSeq],
         scheduler: Scheduler,
-        background_s: float = 0.0,
+        background: BackgroundHostTime | None = None,
         cache_stats: PrefixStats | None = None,
     ) -> None:
         """One line for the step that began at `start`, when it launched a pass (`last_pass` is new)."""
@@ -60,8 +63,12 @@ class StepLog:
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
         }
-        if background_s:
-            line["bg_ms"] = round(1000 * background_s, 3)
+        if background is not None and background.total:
+            line["bg_ms"] = round(1000 * background.total, 3)
+            parts = {"bg_start_ms": background.start, "bg_end_ms": background.end}
+            line.update({k: round(1000 * v, 3) for k, v in parts.items() if v})
+            if background.layers:
+                line["bg_layers"] = background.layers
         if cache_stats is not None:
             line.update(self._cache_delta(cache_stats))
         try:

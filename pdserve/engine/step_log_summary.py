@@ -8,7 +8,8 @@ session (docs/benchmarks.md, sessions 15-24), so this prints it:
     rows: how many, wall time p50 / max, checkpoints saved;
   - the prefix cache's traffic: hits by source, entries evicted and moved to the host tier, and
     the passes that ran right after a step that moved some (their copies share the compute stream);
-  - a background pass's host time a step (`bg_ms`), where there was one.
+  - a background pass's host time a step (`bg_ms`), where there was one, and its starts' and
+    ends' (`bg_start_ms`, `bg_end_ms`).
 `--start` / `--end` (seconds from the first line) keep one part of a run, e.g. one benchmark cell.
 """
 
@@ -77,10 +78,15 @@ def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf
         out.append(f"prefix cache: hits {dict(hits)}, evicted {evicted}, to the host tier {to_host}{tail}")
     background = [r["bg_ms"] for r in rows if "bg_ms" in r]
     if background:
-        out.append(
+        line = (
             f"background pass: {len(background)} steps, host ms a step p50 {quantile(background, 0.5):.1f} "
             f"/ max {max(background):.1f}"
         )
+        for part in ("start", "end"):  # each pass's, where the log has them
+            ms = [r[f"bg_{part}_ms"] for r in rows if f"bg_{part}_ms" in r]
+            if ms:
+                line += f"; {len(ms)} {part}s, ms p50 {quantile(ms, 0.5):.1f} / max {max(ms):.1f}"
+        out.append(line)
     return out
 
 
