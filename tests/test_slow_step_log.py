@@ -139,3 +139,34 @@ def test_step_log_gives_the_background_pass_host_time(
         parts = line.get("bg_start_ms", 0) + line.get("bg_end_ms", 0)
         assert parts <= line.get("bg_ms", 0) + 1e-3, line
     assert all(line.get("bg_layers", 0) > 0 for line in lines if "bg_start_ms" in line)
+
+
+def test_step_log_gives_the_allocator_events_of_each_step(plain_llm: LLM, tmp_path) -> None:
+    """Each line carries the CUDA allocator's events since the line before (cudaMalloc / cudaFree
+    calls, retries, syncs: host time that waits for the GPU), those that did not happen left out;
+    on a CPU there are none (`allocator_events` is {} where CUDA is not in use)."""
+    counts = {"device_allocs": 3, "device_frees": 0, "alloc_retries": 0, "allocator_syncs": 0}
+
+    def fake_allocator() -> dict[str, int]:  # cudaMalloc twice a call, cudaFree once every other
+        counts["device_allocs"] += 2
+        counts["device_frees"] += counts["device_allocs"] % 4 == 1
+        return dict(counts)
+
+    log = step_log.StepLog(str(tmp_path / "steps.jsonl"), allocator=fake_allocator)
+    seen_at_start = dict(counts)  # what the log read when it opened
+    engine = plain_llm.engine
+    engine.add_request(random_prompts((21,), seed=55)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        engine.step()
+        log.record(started, time.perf_counter() - started, engine.last_pass, engine.scheduler)
+    log.close()
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert lines and all(line["device_allocs"] == 2 for line in lines)
+    assert "alloc_retries" not in lines[0] and "allocator_syncs" not in lines[0]
+    assert (
+        sum(line.get("device_frees", 0) for line in lines)
+        == counts["device_frees"] - seen_at_start["device_frees"]
+    )
+    assert any("device_frees" not in line for line in lines)
+    assert step_log.allocator_events() == {}  # this CPU machine: no CUDA

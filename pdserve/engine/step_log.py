@@ -10,7 +10,11 @@ launched); with the prefix cache, `hits` (requests
 that started from a cached prefix since the line before, by source: "gpu", "host", "peer") and
 `evicted` (entries taken off the device) and `to_host` (of those, moved to the host tier), where
 not zero: the host tier's copies run on the compute stream, so a pass that restored or demoted
-entries waited on them. A step that launched nothing writes no line.
+entries waited on them. On a GPU, the CUDA caching allocator's events since the line before, where
+not zero: `device_allocs` / `device_frees` (cudaMalloc / cudaFree calls; a cudaFree waits for the
+device), `alloc_retries` (allocations that failed, freed the cache and tried again) and
+`allocator_syncs` (times it synchronized every stream): host time that waits for the GPU.
+A step that launched nothing writes no line.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import TextIO
+
+import torch
 
 from pdserve.engine.background_pass import BackgroundHostTime
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
@@ -26,14 +33,32 @@ from pdserve.prefix_stats import PrefixStats
 
 ENV = "PDSERVE_STEP_LOG"
 logger = logging.getLogger(__name__)
+ALLOCATOR_EVENTS = {  # the step log's name: torch.cuda.memory_stats()'s
+    "device_allocs": "num_device_alloc",
+    "device_frees": "num_device_free",
+    "alloc_retries": "num_alloc_retries",
+    "allocator_syncs": "num_sync_all_streams",
+}
+
+
+def allocator_events() -> dict[str, int]:
+    """The CUDA caching allocator's event counters on the current device ({} where CUDA is not in use)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_EVENTS.items()}
 
 
 class StepLog:
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(
+        self, path: str | None = None, allocator: Callable[[], dict[str, int]] = allocator_events
+    ) -> None:
         path = path if path is not None else os.environ.get(ENV)
         self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
         self._last: list[ScheduledSeq] | None = None
         self._seen = PrefixStats()  # the cache's counters at the line before
+        self._allocator = allocator
+        self._allocator_seen: dict[str, int] = allocator() if self._file is not None else {}
 
     @property
     def enabled(self) -> bool:
@@ -71,6 +96,15 @@ class StepLog:
                 line["bg_layers"] = background.layers
         if cache_stats is not None:
             line.update(self._cache_delta(cache_stats))
+        counts = self._allocator()
+        line.update(
+            {
+                k: n - self._allocator_seen.get(k, 0)
+                for k, n in counts.items()
+                if n > self._allocator_seen.get(k, 0)
+            }
+        )
+        self._allocator_seen = counts
         try:
             self._file.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk must not stop the engine: the log stops instead

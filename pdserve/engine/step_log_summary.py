@@ -9,7 +9,8 @@ session (docs/benchmarks.md, sessions 15-24), so this prints it:
   - the prefix cache's traffic: hits by source, entries evicted and moved to the host tier, and
     the passes that ran right after a step that moved some (their copies share the compute stream);
   - a background pass's host time a step (`bg_ms`), where there was one, and its starts' and
-    ends' (`bg_start_ms`, `bg_end_ms`).
+    ends' (`bg_start_ms`, `bg_end_ms`);
+  - the CUDA allocator's cudaMalloc / cudaFree calls and retries, where there were any.
 `--start` / `--end` (seconds from the first line) keep one part of a run, e.g. one benchmark cell.
 """
 
@@ -87,6 +88,13 @@ def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf
             if ms:
                 line += f"; {len(ms)} {part}s, ms p50 {quantile(ms, 0.5):.1f} / max {max(ms):.1f}"
         out.append(line)
+    events = {k: sum(r.get(k, 0) for r in rows) for k in ("device_allocs", "device_frees", "alloc_retries")}
+    if any(events.values()):  # host time that waited for the GPU in the allocator
+        steps = sum(any(r.get(k) for k in events) for r in rows)
+        out.append(
+            f"CUDA allocator: {events['device_allocs']} cudaMalloc, {events['device_frees']} cudaFree, "
+            f"{events['alloc_retries']} retries, in {steps} steps"
+        )
     return out
 
 
