@@ -10,6 +10,10 @@ shape before the app sees the request:
   429  a POST to `/v1/` by a key already at its `max_concurrency` requests in flight (a request
        is in flight until its answer, a whole stream included, is sent), with `Retry-After`
 
+It also stamps each HTTP request's arrival (`request.state.arrived`, `arrival_of`): the router's
+TTFT, preprocess and latency histograms start there, so the body's reading and validation and any
+wait for the event loop (a burst of chat turns queues there) are the router's time too.
+
 With no API key configured every route is open. `/health` and `/metrics` always are (for probes
 and scrapers, as vLLM's `--api-key`).
 
@@ -21,15 +25,25 @@ starting with `#` are skipped.
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import HTTPException
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.errors import error_response
 from router.metrics import RouterMetrics
+
+ARRIVED = "arrived"  # request.state's: time.monotonic() when the request's headers reached the gate
+
+
+def arrival_of(request: Request) -> float:
+    """When `request` reached the router (the gate's stamp; now, for an app without the gate): its
+    body's reading, parsing and validation, and any wait for the event loop, count as the router's."""
+    return getattr(request.state, ARRIVED, None) or time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +96,7 @@ class RequestGate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})[ARRIVED] = time.monotonic()  # the headers are in: arrival
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):

@@ -34,7 +34,6 @@ Request lifecycle (chat and completions alike):
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 from fastapi import Request, Response
@@ -49,6 +48,7 @@ from router.chat_output import ChatParsingConfig, OutputParsing, tags_decode_to_
 from router.chat_template import render_chat
 from router.drain import Drain
 from router.errors import BackendError, OpenAIError
+from router.gate import arrival_of
 from router.generation import Generations
 from router.metrics import RouterMetrics
 from router.prompt_chars import max_chars_per_token_async
@@ -144,7 +144,7 @@ class OpenAIRouter:
         return text, tools, parse_tools
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        arrival = time.monotonic()
+        arrival = arrival_of(request)
         self.check_model(body.model)
         self.fill_in(body)
         text, tools, parse_tools = self.chat_text(body)
@@ -159,7 +159,7 @@ class OpenAIRouter:
         return await self.serve(request, body, fmt, [(await self.encode(text, "messages"), "")], arrival)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        arrival = time.monotonic()
+        arrival = arrival_of(request)
         self.check_model(body.model)
         self.fill_in(body)
         prompt = body.prompt

@@ -3,9 +3,10 @@
 Names follow vLLM's (`vllm:` -> `pdserve:`) so its dashboards carry over. A "request" here is
 one backend generation: a chat request with n=2 counts twice.
 
-  pdserve:time_to_first_token_seconds   histogram  arrival at the router -> first token event
-  pdserve:request_preprocess_seconds    histogram  arrival -> handed to the backend (templating,
-                                                   tokenizing, admission)
+  pdserve:time_to_first_token_seconds   histogram  arrival at the router (its headers read:
+                                                   router.gate) -> first token event
+  pdserve:request_preprocess_seconds    histogram  arrival -> handed to the backend (the body read
+                                                   and validated, templating, tokenizing, admission)
   pdserve:inter_token_latency_seconds   histogram  gap between token events, per token
   pdserve:e2e_request_latency_seconds   histogram  arrival -> finished event
   pdserve:num_requests_waiting          gauge      handed to the backend, no token yet

@@ -116,3 +116,41 @@ def test_preprocess_time_is_arrival_to_the_backend_asked() -> None:
     text = series(metrics.render().decode())
     assert 0.25 <= text["pdserve:request_preprocess_seconds_sum"] < 5
     assert text['pdserve:request_preprocess_seconds_bucket{le="0.2"}'] == 0
+
+
+def test_preprocess_counts_from_the_request_reaching_the_router(tiny_model_dir) -> None:
+    """The router's histograms start when the request's headers reach it (the gate's stamp), not
+    when the handler runs: a body that takes 0.3 s to arrive (or a burst queued on the event loop
+    before validation) is the router's time in preprocess and TTFT."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.tokenizer import load_tokenizer
+    from router.app import create_app
+    from tests.live_server import serving
+    from tests.scripted_chat import ScriptedBackend
+
+    backend = ScriptedBackend()
+    backend.text = "ok"
+    metrics = RouterMetrics()
+    app = create_app(backend, load_tokenizer(tiny_model_dir), "m", metrics=metrics)
+    body = b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]}'
+
+    async def slow_body():
+        for part in (body[:20], body[20:]):
+            yield part
+            await asyncio.sleep(0.3)
+
+    async def post(url: str) -> int:
+        async with httpx.AsyncClient(base_url=url) as client:
+            headers = {"content-type": "application/json"}
+            answer = await client.post("/v1/chat/completions", content=slow_body(), headers=headers)
+            return answer.status_code
+
+    with serving(app) as url:
+        assert asyncio.run(post(url)) == 200
+    text = series(metrics.render().decode())
+    assert text["pdserve:request_preprocess_seconds_count"] == 1
+    assert 0.3 <= text["pdserve:request_preprocess_seconds_sum"] < 5
+    assert text["pdserve:time_to_first_token_seconds_sum"] >= text["pdserve:request_preprocess_seconds_sum"]
