@@ -91,11 +91,14 @@ def fill_random(kv: KvPagePool, states: GdnStatePool) -> None:
         ),
     ],
 )
-def test_host_tier_round_trip(device: str) -> None:
+@pytest.mark.parametrize("staging_pages", [None, 1, 2])
+def test_host_tier_round_trip(device: str, staging_pages: int | None) -> None:
     """An entry stored on the host tier comes back bit for bit into other pages and slot, its
-    host pages in several runs (a freed entry's and fresh ones); each host unit is one contiguous
-    block (what lets a GPU copy run without the host waiting)."""
+    host pages in several runs (a freed entry's and fresh ones), whether it moves through device
+    staging whole or a page or two at a time (pieces that cut its runs); each host unit is one
+    contiguous block (what lets a GPU copy run without the host waiting)."""
     tier, kv, states = host_tier_of(device)
+    tier.staging_pages = staging_pages or tier.staging_pages
     fill_random(kv, states)
     first, spacer = tier.store([0, 2], 0), tier.store([3], 0)
     tier.free(*first)
@@ -112,6 +115,36 @@ def test_host_tier_round_trip(device: str) -> None:
     tier.free(host_pages, host_ck)
     tier.free(*spacer)
     assert (tier.num_free_pages, tier.num_free_checkpoints) == (tier.num_pages, tier.num_checkpoints)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_tier_stages_a_long_entry_a_piece_at_a_time() -> None:
+    """Storing (and loading) an entry of 192 pages asks the device for at most two pieces of
+    staging at once, not two copies of the whole entry (a long prompt's entry on a device filled
+    to its KV pool: a failed cudaMalloc there frees the cache and waits for the device)."""
+    kv = KvPagePool(CFG, num_pages=256, page_size=16, dtype=torch.float32, device="cuda")
+    states = GdnStatePool(
+        CFG, num_slots=2, conv_dtype=torch.float32, recurrent_dtype=torch.float32, device="cuda"
+    )
+    budget = 2 * HostTier.entry_bytes(kv, states, typical_tokens=192 * 16)
+    tier = HostTier(kv, states, budget_bytes=budget, typical_tokens=192 * 16)
+    tier.staging_pages = 16
+    assert tier.fits(192)
+    fill_random(kv, states)
+    pages = list(range(10, 202))
+    want = kv.kv[:, :, pages].clone()
+    page_bytes = kv.kv[:, :, 0].nbytes
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    stored = tier.store(pages, 0)
+    kv.kv.zero_()
+    tier.load(*stored, pages, 1)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= 3 * tier.staging_pages * page_bytes + (1 << 20), (peak, page_bytes)
+    assert torch.equal(kv.kv[:, :, pages], want)
 
 
 def test_host_tier_keeps_an_entrys_pages_in_one_run() -> None:

@@ -8,6 +8,11 @@ and one copy per run of consecutive host pages, its state with one copy per stat
 The budget is split between checkpoints and pages in proportion to what one entry of
 `typical_tokens` tokens needs.
 
+An entry moves through device staging a piece at a time (`STAGING_BYTES` of pages a piece): one
+gather of a whole long prompt's entry (a 40K-token prefix: ~800 MiB of KV, twice, for the gather
+and the unit-major copy) asked the caching allocator for that much at once on a device filled to
+its KV pool, where a failed cudaMalloc frees the cache and retries, waiting for the device.
+
 Copies are stream-ordered: on a GPU they go out (device -> pinned host) and come back (pinned
 host -> device) with `non_blocking=True` on the engine's stream, after the passes that wrote
 the memory and before those that read it again, so the host thread never waits on them. That
@@ -28,6 +33,8 @@ from pdserve.memory.kv_pool import KvPagePool
 from pdserve.memory.state_pool import GdnStatePool
 from pdserve.pinned import to_device
 
+STAGING_BYTES = 64 << 20  # device memory one piece of a store or load gathers through
+
 
 class HostTier:
     def __init__(
@@ -47,6 +54,7 @@ class HostTier:
         self.recurrent = _like(states.recurrent, 1, num_checkpoints, pin)
         self.kv = _like(kv_pool.kv, 2, num_pages, pin)
         self.num_checkpoints, self.num_pages = num_checkpoints, num_pages
+        self.staging_pages = max(1, STAGING_BYTES // page_bytes)  # pages a piece of a store or load
         self._free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
         self._free_pages = list(range(num_pages))  # a heap, lowest first: an entry's pages tend to run
 
@@ -76,9 +84,10 @@ class HostTier:
         host_pages = [heapq.heappop(self._free_pages) for _ in pages]
         host_ck = self._free_checkpoints.pop()
         pinned = self.kv.is_pinned()
-        if pages:  # one gather into unit-major order, then one copy per run of host pages
-            units = self.kv_pool.kv.index_select(2, self._index(pages)).movedim(2, 0).contiguous()
-            for at, n, first in _runs(host_pages):
+        for lo in range(0, len(pages), self.staging_pages):  # a gather into unit-major order a piece,
+            piece = slice(lo, lo + self.staging_pages)  # then one copy per run of its host pages
+            units = self.kv_pool.kv.index_select(2, self._index(pages[piece])).movedim(2, 0).contiguous()
+            for at, n, first in _runs(host_pages[piece]):
                 self.kv[first : first + n].copy_(units[at : at + n], non_blocking=pinned)
         self.conv[host_ck].copy_(self.states.conv[:, slot], non_blocking=pinned)
         self.recurrent[host_ck].copy_(self.states.recurrent[:, slot], non_blocking=pinned)
@@ -87,13 +96,14 @@ class HostTier:
     def load(self, host_pages: list[int], host_ck: int, pages: list[int], slot: int) -> None:
         """Copy an entry back into device pages `pages` and state slot `slot`."""
         pinned = self.kv.is_pinned()
-        if pages:  # one copy per run of host pages into a unit-major buffer, then one scatter
+        for lo in range(0, len(pages), self.staging_pages):  # a piece: one copy per run of its host
+            piece = slice(lo, lo + self.staging_pages)  # pages into a unit-major buffer, one scatter
             units = torch.empty(
-                (len(pages), *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.kv_pool.kv.device
+                (len(pages[piece]), *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.kv_pool.kv.device
             )
-            for at, n, first in _runs(host_pages):
+            for at, n, first in _runs(host_pages[piece]):
                 units[at : at + n].copy_(self.kv[first : first + n], non_blocking=pinned)
-            self.kv_pool.kv.index_copy_(2, self._index(pages), units.movedim(0, 2))
+            self.kv_pool.kv.index_copy_(2, self._index(pages[piece]), units.movedim(0, 2))
         self.states.conv[:, slot].copy_(self.conv[host_ck], non_blocking=pinned)
         self.states.recurrent[:, slot].copy_(self.recurrent[host_ck], non_blocking=pinned)
 
