@@ -72,3 +72,25 @@ def test_four_times_the_device_cache_still_hits(tiered: LLM) -> None:
     assert reused >= 0.9 * reusable, f"{reused} of {reusable} reusable tokens"
     from_host = cache.stats.hit_tokens["host"] - host_before
     assert from_host >= 0.6 * reused, f"only {from_host} of {reused} from the host tier"
+
+
+def test_a_long_prompts_chunk_entries_are_not_copied_out_while_it_holds_their_pages(tiny_model_dir) -> None:
+    """A prompt prefilled in many chunks saves an entry at each chunk's end; with few device
+    checkpoints its earlier ones are evicted while it runs. Their pages are its own too: a copy
+    to the host tier would free none, so they are dropped (the H100's 131K-token prompt copied its
+    growing prefixes out, hundreds of MiB each, in the engine's stream). Once it has finished,
+    its entries own their pages, and an eviction moves them to the host tier as before; the
+    outputs are those without the cache."""
+    llm = tiny_llm(tiny_model_dir, num_prefix_checkpoints=DEVICE_CHECKPOINTS, max_num_batched_tokens=48)
+    cache = llm.engine.prefix_cache
+    cache.configure_host_tier(64 << 20)
+    long_prompt, *others = random_prompts((480, 120, 130, 140, 150), seed=71)
+    (got,) = llm.generate([long_prompt], GREEDY)
+    assert cache.stats.evicted >= 5, "the prompt's own chunk entries were evicted while it ran"
+    assert cache.stats.demoted == 0, f"{cache.stats.demoted} chunk entries copied to the host tier"
+    llm.generate(others, GREEDY)  # their entries push the long prompt's last ones out
+    assert cache.stats.demoted > 0, "entries owning their pages go to the host tier as before"
+    plain = tiny_llm(tiny_model_dir, enable_prefix_caching=False)
+    assert got.token_ids == plain.generate([long_prompt], GREEDY)[0].token_ids
+    cache.clear()
+    assert_no_leaks(llm.engine)

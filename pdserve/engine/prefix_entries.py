@@ -10,8 +10,11 @@ a chunk-end checkpoint is admitted only over entries nobody reused (`LOW_VALUE_K
 takes links a conversation moved past or is moving past first, then LRU with a reuse count
 (`EntryIndex.victim`); pages and checkpoint always go together; an entry evicted for memory
 moves to the host tier when it fits there (least valuable host entries dropped first) and its
-kind's recent entries there were restored (`HostAdmission`), else it is dropped; entries a peer
-is reading are pinned.
+kind's recent entries there were restored (`HostAdmission`), else it is dropped; a long prompt's
+chunk-end entry whose pages its prompt (or a later entry) still holds is dropped too: the copy
+would free no KV page, and a prompt prefilling 131K tokens in chunks would copy each of its
+growing prefixes out (~800 MiB at 40K tokens, in the engine's stream beside the decode steps);
+entries a peer is reading are pinned.
 """
 
 from __future__ import annotations
@@ -119,12 +122,19 @@ class PrefixEntryStore:
         victim = self.index.victim(keep, only_unused)
         if victim is None:
             return False
-        if to_host and not (victim.superseded or victim.resumed) and self._demote(victim, keep):
+        if to_host and self._worth_a_copy(victim) and self._demote(victim, keep):
             self.stats.demoted += 1
         else:
             self._drop(victim)
         self.stats.evicted += 1
         return True
+
+    def _worth_a_copy(self, entry: CacheEntry) -> bool:
+        """Whether moving `entry` to the host tier beats dropping it: not a link its conversation
+        moved past, and not a chunk-end entry none of whose pages the copy would free."""
+        if entry.superseded or entry.resumed:
+            return False
+        return entry.kind not in LOW_VALUE_KINDS or any(self.kv_pool.refcount(p) == 1 for p in entry.pages)
 
     def _demote(self, entry: CacheEntry, keep: CacheEntry | None) -> bool:
         """Move a device entry to the host tier (making room there, least valuable first)."""
