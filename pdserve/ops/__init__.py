@@ -7,17 +7,22 @@ Packed tokens: `T` tokens of `N` sequences, sequence `n` is tokens `cu_seqlens[n
 state through `slot_ids` (int64 `[N]`, distinct), K/V through `slot_mapping` and `block_tables`.
 
 Every op checks shapes and index dtypes (metadata only, no host sync) and raises `ValueError` on a
-mismatch, then hands the call to the implementation for the tensors' device (`_implementation`).
+mismatch, then hands the call to the implementation for the tensors' device (`pdserve.ops.dispatch`).
+The GDN scans live in `pdserve.ops.gdn_ops`, re-exported here with the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from types import ModuleType
-
 import torch
 
-from pdserve.ops import reference
+from pdserve.ops.dispatch import check_pass, implementation
+from pdserve.ops.gdn_ops import (
+    GDN_CHUNK,
+    gdn_chunk_index,
+    gdn_chunk_prefill,
+    gdn_recurrent_prefill,
+    gdn_recurrent_step,
+)
 from pdserve.ops.layer_ops import (
     add_rms_norm,
     gated_rms_norm,
@@ -29,8 +34,6 @@ from pdserve.ops.layer_ops import (
 )
 from pdserve.ops.shapes import Shapes as _Shapes
 
-GDN_CHUNK = 64  # tokens a chunk of the chunked GDN scan (fla's default)
-
 __all__ = [
     "add_rms_norm",
     "causal_conv1d_prefill",
@@ -38,7 +41,9 @@ __all__ = [
     "gated_rms_norm",
     "gdn_chunk_index",
     "gdn_chunk_prefill",
+    "GDN_CHUNK",
     "gdn_gates",
+    "gdn_recurrent_prefill",
     "gdn_recurrent_step",
     "output_gate",
     "paged_attention",
@@ -47,149 +52,6 @@ __all__ = [
     "route_topk",
     "store_kv",
 ]
-
-
-def _implementation(x: torch.Tensor) -> ModuleType:
-    """The module that runs an op on `x`'s device: the Triton / flash-linear-attention kernels of
-    `pdserve.ops.cuda` on CUDA (imported on first use, so CPU machines need neither), the plain
-    torch reference elsewhere. The checks in this file stay shared by both."""
-    if x.is_cuda:
-        from pdserve.ops import cuda
-
-        return cuda
-    return reference
-
-
-def _check_gdn(
-    op: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    recurrent_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
-    tokens: str,
-    sequences: str,
-) -> _Shapes:
-    shapes = _Shapes(op)
-    shapes("q", q, f"{tokens} Hk Dk")
-    shapes("k", k, f"{tokens} Hk Dk")
-    shapes("v", v, f"{tokens} Hv Dv")
-    shapes("g", g, f"{tokens} Hv")
-    shapes("beta", beta, f"{tokens} Hv")
-    shapes("recurrent_pool", recurrent_pool, "S Hv Dk Dv")
-    shapes.multiple("Hv", of="Hk")
-    shapes("slot_ids", slot_ids, sequences, torch.int64)
-    return shapes
-
-
-def _check_pass(
-    shapes: _Shapes,
-    cu_seqlens: torch.Tensor,
-    save_at: torch.Tensor | None = None,
-    save_to: torch.Tensor | None = None,
-) -> None:
-    """A packed pass's sequence boundaries (int32 [N+1]) and, when given, the checkpoint each
-    sequence saves on the way: after save_at (int32 [N]) tokens, to save_to (int64 [N])."""
-    shapes.fix("N+1", shapes.sizes["N"] + 1)
-    shapes("cu_seqlens", cu_seqlens, "N+1", torch.int32)
-    if (save_at is None) != (save_to is None):
-        raise ValueError(f"{shapes.op}: save_at and save_to go together")
-    if save_at is not None and save_to is not None:
-        shapes("save_at", save_at, "N", torch.int32)
-        shapes("save_to", save_to, "N", torch.int64)
-
-
-def gdn_chunk_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    recurrent_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
-    chunk_size: int = GDN_CHUNK,
-    *,
-    chunks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Gated delta rule over packed sequences, chunked; each sequence starts from its slot's state.
-
-    q, k: [T, Hk, Dk] raw (l2-normalised here, in fp32; q then scaled by Dk**-0.5).
-    v: [T, Hv, Dv]; g: [T, Hv] log-decay (<= 0, fp32); beta: [T, Hv]. Hv is a multiple of Hk and
-    value head h reads key head h // (Hv // Hk).
-    cu_seqlens: int32 [N+1]. recurrent_pool: [S, Hv, Dk, Dv] (one layer's slice of the state pool).
-    slot_ids: int64 [N]: sequence n starts from recurrent_pool[slot_ids[n]], and its final state
-    is written back there. Chunks of `chunk_size` tokens restart at each sequence start.
-    chunks: int64 [NC, 2], `gdn_chunk_index` of the lengths: given, the CUDA scan reads nothing on
-    the host (fla would read cu_seqlens, a sync waiting for the step in flight). Reference: unused.
-    Returns o: [T, Hv, Dv] in v's dtype (computed in fp32).
-    """
-    shapes = _check_gdn(
-        "gdn_chunk_prefill", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="T", sequences="N"
-    )
-    _check_pass(shapes, cu_seqlens)
-    if chunk_size <= 0:
-        raise ValueError(f"gdn_chunk_prefill: chunk_size must be positive, got {chunk_size}")
-    if chunks is not None:
-        shapes("chunks", chunks, "NC 2", torch.int64)
-    return _implementation(q).gdn_chunk_prefill(
-        q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids, chunk_size, chunks
-    )
-
-
-def gdn_chunk_index(lengths: Sequence[int], chunk_size: int = GDN_CHUNK) -> list[int]:
-    """(sequence, chunk within it) of each `chunk_size`-token chunk of sequences of these lengths,
-    in order, flat: `gdn_chunk_prefill`'s `chunks` (fla's chunk_indices), built on the host."""
-    return [x for n, length in enumerate(lengths) for c in range(-(-length // chunk_size)) for x in (n, c)]
-
-
-def gdn_recurrent_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    recurrent_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
-    save_at: torch.Tensor | None = None,
-    save_to: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`gdn_chunk_prefill`'s inputs and result, computed a token at a time (the recurrence itself,
-    one launch on CUDA): for short sequences, where the chunked scan's launches cost more host
-    time than its work (a chat prompt's tail, a follow-up turn's new tokens).
-
-    With `save_at` (int32 [N]) and `save_to` (int64 [N]): sequence n's state after its first
-    `save_at[n]` tokens is also written to `recurrent_pool[save_to[n]]` on the way (a prefix
-    checkpoint inside the pass, no second scan); `save_at[n]` outside 1..length saves nothing."""
-    shapes = _check_gdn(
-        "gdn_recurrent_prefill", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="T", sequences="N"
-    )
-    _check_pass(shapes, cu_seqlens, save_at, save_to)
-    return _implementation(q).gdn_recurrent_prefill(
-        q, k, v, g, beta, cu_seqlens, recurrent_pool, slot_ids, save_at=save_at, save_to=save_to
-    )
-
-
-def gdn_recurrent_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    recurrent_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
-) -> torch.Tensor:
-    """One decode token per sequence through the gated delta rule (the same maths as the prefill).
-
-    q, k: [B, Hk, Dk] raw; v: [B, Hv, Dv]; g, beta: [B, Hv]; recurrent_pool: [S, Hv, Dk, Dv];
-    slot_ids: int64 [B]: reads recurrent_pool[slot_ids] and writes the new states back in place.
-    Returns o: [B, Hv, Dv] in v's dtype.
-    """
-    _check_gdn("gdn_recurrent_step", q, k, v, g, beta, recurrent_pool, slot_ids, tokens="B", sequences="B")
-    return _implementation(q).gdn_recurrent_step(q, k, v, g, beta, recurrent_pool, slot_ids)
 
 
 def _check_conv(
@@ -232,8 +94,8 @@ def causal_conv1d_prefill(
     Returns out: [T, C] in x's dtype (computed in fp32).
     """
     shapes = _check_conv("causal_conv1d_prefill", x, weight, conv_pool, slot_ids, tokens="T", sequences="N")
-    _check_pass(shapes, cu_seqlens, save_at, save_to)
-    return _implementation(x).causal_conv1d_prefill(
+    check_pass(shapes, cu_seqlens, save_at, save_to)
+    return implementation(x).causal_conv1d_prefill(
         x, weight, cu_seqlens, conv_pool, slot_ids, save_at=save_at, save_to=save_to
     )
 
@@ -248,7 +110,7 @@ def causal_conv1d_step(
     Returns out: [B, C] in x's dtype.
     """
     _check_conv("causal_conv1d_step", x, weight, conv_pool, slot_ids, tokens="B", sequences="B")
-    return _implementation(x).causal_conv1d_step(x, weight, conv_pool, slot_ids)
+    return implementation(x).causal_conv1d_step(x, weight, conv_pool, slot_ids)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -264,7 +126,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     shapes("slot_mapping", slot_mapping, "T", torch.int64)
     if not kv_layer.is_contiguous():
         raise ValueError("store_kv: kv_layer must be contiguous (a layer slice of the pool)")
-    _implementation(k).store_kv(k, v, kv_layer, slot_mapping)
+    implementation(k).store_kv(k, v, kv_layer, slot_mapping)
 
 
 def paged_attention(
@@ -300,5 +162,5 @@ def paged_attention(
     shapes.fix("N+1", shapes.sizes["N"] + 1)
     shapes("cu_seqlens_q", cu_seqlens_q, "N+1", torch.int32)
     shapes("block_tables", block_tables, "N max_pages", torch.int32)
-    impl = _implementation(q)
+    impl = implementation(q)
     return impl.paged_attention(q, kv_layer, cu_seqlens_q, seq_lens, block_tables, scale, max_q_len, programs)

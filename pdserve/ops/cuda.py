@@ -1,6 +1,6 @@
 """The CUDA implementation of the ops: the same seven functions as `pdserve.ops.reference`.
 
-`pdserve.ops._implementation` returns this module for tensors on a CUDA device. It needs Triton
+`pdserve.ops.dispatch.implementation` returns this module for tensors on a CUDA device. It needs Triton
 (shipped with CUDA builds of torch) and, for the GDN prefill, flash-linear-attention (`fla-core`),
 imported on first use. Every decode-path op here is sync-free, so a decode step can be captured
 in a CUDA graph.
