@@ -143,7 +143,8 @@ def test_host_tier_stages_a_long_entry_a_piece_at_a_time() -> None:
     tier.load(*stored, pages, 1)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    assert peak <= 3 * tier.staging_pages * page_bytes + (1 << 20), (peak, page_bytes)
+    # the whole entry at once took 2 x 192 pages; a piece at a time, at most three pieces live
+    assert peak <= 3 * tier.staging_pages * page_bytes + (64 << 10), (peak, page_bytes)
     assert torch.equal(kv.kv[:, :, pages], want)
 
 
