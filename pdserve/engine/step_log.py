@@ -45,7 +45,7 @@ def allocator_events() -> dict[str, int]:
     """The CUDA caching allocator's event counters on the current device ({} where CUDA is not in use)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
-    stats = torch.cuda.memory_stats()
+    stats = torch.cuda.memory_stats_as_nested_dict()  # these counters sit at its top; no flattening
     return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_EVENTS.items()}
 
 
