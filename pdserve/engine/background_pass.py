@@ -156,7 +156,8 @@ class BackgroundPass:
 @dataclass(slots=True)
 class BackgroundHostTime:
     """The host time one step spent on the background pass, by part (seconds): starting it (its
-    batch built, the stream's wait), launching its layers (`layers` of them), ending it."""
+    batch built and copied, the stream's wait queued), launching its layers (`layers` of them),
+    ending it (its chunk committed: checkpoints, evictions, the first token taken)."""
 
     start: float = 0.0
     launch: float = 0.0

@@ -96,15 +96,7 @@ class StepLog:
                 line["bg_layers"] = background.layers
         if cache_stats is not None:
             line.update(self._cache_delta(cache_stats))
-        counts = self._allocator()
-        line.update(
-            {
-                k: n - self._allocator_seen.get(k, 0)
-                for k, n in counts.items()
-                if n > self._allocator_seen.get(k, 0)
-            }
-        )
-        self._allocator_seen = counts
+        line.update(self._allocator_delta())
         try:
             self._file.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk must not stop the engine: the log stops instead
@@ -126,6 +118,12 @@ class StepLog:
         if demoted > 0:
             delta["to_host"] = demoted
         return delta
+
+    def _allocator_delta(self) -> dict[str, int]:
+        """The allocator's events since the last call, the ones that did not happen left out."""
+        counts, seen = self._allocator(), self._allocator_seen
+        self._allocator_seen = counts
+        return {k: n - seen.get(k, 0) for k, n in counts.items() if n > seen.get(k, 0)}
 
     def close(self) -> None:
         if self._file is not None:
