@@ -16,12 +16,14 @@
 # --no-enable-prefix-caching); MAX_MODEL_LEN= (empty) leaves max_model_len to the engine.
 # CONV_VARIANTS="--prefill-graphs;--burst-window-ms 30": after the cached run, the conversations
 # again on a stack restarted with UP_FLAGS plus each variant's flags (one machine, one call);
-# LONG_VARIANTS the same for the long prompts (e.g. "--background-prefill-sms 92").
+# LONG_VARIANTS the same for the long prompts (e.g. "--background-prefill-sms 92"), CELL_VARIANTS
+# for the cells (each cell's files are tagged plain, variant0, ...).
 set -uo pipefail
 OUT=${OUT:-/tmp/pdserve-bench}
 W=${WHEELS:-.}  # the folder holding .whl-serve, .whl-aiperf, .whl and .redis
 CELLS=${CELLS-"1024:4 1024:16 1024:32 8192:4 8192:16"}  # CELLS= (empty): none
 CONV=${CONV:-} LONG=${LONG:-} UP_FLAGS=${UP_FLAGS:-} CONV_VARIANTS=${CONV_VARIANTS:-} LONG_VARIANTS=${LONG_VARIANTS:-}
+CELL_VARIANTS=${CELL_VARIANTS:-}
 MAX_MODEL_LEN=${MAX_MODEL_LEN-9216}
 PROFILE_CELL=${PROFILE_CELL:-}  # e.g. 1024:32 (or conv, or long): py-spy records the engine and the router
 # for PROFILE_SECONDS (12) from PROFILE_AFTER (2) s after the cell's first request reaches the
@@ -103,24 +105,26 @@ grep -m3 -i "max_model_len" "$OUT/up.log" | tee -a "$OUT/bench.log"
 curl -s localhost:8000/v1/models | tee -a "$OUT/bench.log"; echo | tee -a "$OUT/bench.log"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/bench.log"
 
-for cell in $CELLS; do
+run_cells() {  # run_cells TAG: every cell of CELLS against the stack up now
+  local tag=$1
+  for cell in $CELLS; do
     isl=${cell%:*} c=${cell#*:}
-    log "aiperf isl=$isl c=$c"
+    log "aiperf isl=$isl c=$c ($tag)"
     [ "$cell" = "$PROFILE_CELL" ] && profile_roles
     snap before
     timeout 200 aiperf profile --model qwen36 --url http://127.0.0.1:8000 --endpoint-type chat --streaming \
         --tokenizer $MODEL --isl "$isl" --isl-stddev 0 --osl 256 --extra-inputs ignore_eos:true \
         --concurrency "$c" --request-count $((3 * c)) --warmup-request-count "$c" --ui none \
-        --artifact-dir "/tmp/aiperf/isl${isl}-c${c}" >"$OUT/aiperf-isl${isl}-c${c}.log" 2>&1
+        --artifact-dir "/tmp/aiperf/isl${isl}-c${c}-$tag" >"$OUT/aiperf-isl${isl}-c${c}-$tag.log" 2>&1
     # AIPerf writes an export per phase: the profiling one is the one with the most requests
-    json=$(python3 - "/tmp/aiperf/isl${isl}-c${c}" <<'EOF2'
+    json=$(python3 - "/tmp/aiperf/isl${isl}-c${c}-$tag" <<'EOF2'
 import json, pathlib, sys
 found = [(json.loads(p.read_text()).get("request_count", {}).get("avg", 0), str(p))
          for p in pathlib.Path(sys.argv[1]).rglob("profile_export_aiperf.json")]
 print(max(found)[1] if found else "")
 EOF2
 )
-    [ -n "$json" ] && cp "$json" "$OUT/isl${isl}-c${c}.json"
+    [ -n "$json" ] && cp "$json" "$OUT/isl${isl}-c${c}-$tag.json"
     python3 - "$json" <<'EOF' | tee -a "$OUT/bench.log"
 import json, sys
 d = json.load(open(sys.argv[1])) if sys.argv[1] else {}
@@ -131,6 +135,18 @@ print("  output tok/s", m("output_token_throughput"), "| TTFT p50/p99 ms", m("ti
       m("time_to_first_token", "p99"), "| ITL p50/p99 ms", m("inter_token_latency", "p50"), m("inter_token_latency", "p99"))
 EOF
     split
+  done
+}
+restart() {  # restart LOG [FLAGS...]: the stack again, with these flags
+    kill -TERM $UP; wait $UP
+    start_up "$@"
+}
+run_cells plain
+IFS=';' read -ra cell_variants <<<"$CELL_VARIANTS"
+for i in "${!cell_variants[@]}"; do  # the cells again on a stack restarted with more flags each
+    restart "up-cells$i.log" $UP_FLAGS ${cell_variants[$i]}
+    run_cells "variant$i"
+    log "cells variant$i was: ${cell_variants[$i]}"
 done
 run_conv() {  # run_conv TAG: the CONV workload against the stack up now
     local tag=$1 c=${CONV%:*} turns=${CONV#*:}
@@ -164,10 +180,6 @@ for turn in sorted(rows):
           f"(max {max(ttft):.0f}), prompt {statistics.mean(prompt):.0f} tokens, cached {statistics.mean(cached):.0f}")
 EOF3
     split
-}
-restart() {  # restart LOG [FLAGS...]: the stack again, with these flags
-    kill -TERM $UP; wait $UP
-    start_up "$@"
 }
 if [ -n "$CONV" ]; then
     run_conv cache

@@ -83,7 +83,7 @@ def profile(graphs: DecodeGraphs, batch: ForwardBatch, concurrency: int, context
         print(f"  {per_step_us / 1e3:7.3f} ms  {count:5.0f}x  {name[:90]}")
     return {"tag": tag, "concurrency": concurrency, "context": context, "wall_ms": wall_ms,
             "gpu_ms": gpu_ms, "kernel_ms": kernel_ms, "kernels": kernels, "floor_ms": floor,
-            "top": [(n[:120], t, c) for n, t, c in rows[:25]]}  # fmt: skip
+            "kernels_by_time": [(n[:120], t, c) for n, t, c in rows]}  # fmt: skip
 
 
 def append_json_lines(path: Path | None, rows: list[dict]) -> None:
