@@ -98,6 +98,44 @@ def sweep(tokens: int) -> list[tuple[float, str]]:
     return rows
 
 
+TMA_TILES = [
+    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=16, num_warps=w, num_stages=st)
+    for m, n, k, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4),
+                           (128, 128, 128, 8, 2), (64, 128, 64, 4, 4)]
+]  # fmt: skip
+
+
+def sweep_tma(tokens: int) -> None:
+    """The TMA kernels (cuda_moe_tma: rows by pointer or descriptor, gate/up as two dots or one wide)
+    against the pointer kernel at its default tile, both GEMMs + alignment timed, each checked
+    against the pointer kernel's output."""
+    from pdserve.ops.cuda_moe_tma import TmaOptions
+
+    torch.manual_seed(tokens)
+    w13, w2 = rand(E, 2 * INTER, HIDDEN) * 0.02, rand(E, HIDDEN, INTER) * 0.04
+    x = rand(tokens, HIDDEN)
+    weights, ids = torch.randn(tokens, E, device="cuda").softmax(-1).topk(TOPK, dim=-1)
+    weights = weights.to(torch.bfloat16)
+    flops = tokens * TOPK * 3 * HIDDEN * INTER * 2
+    want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
+    rows = [
+        (
+            do_bench(lambda: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids), rep=50),
+            "pointer kernel, default",
+        )
+    ]
+    for cfg, a_tma, wide in itertools.product(TMA_TILES, (False, True), (False, True)):
+        options = TmaOptions(a_tma=a_tma, wide=wide)
+        run = lambda c=cfg, o=options: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=c, tma=o)  # noqa: E731
+        label = f"tma a_tma={int(a_tma)} wide={int(wide)} {_name(cfg)}"
+        if (timed := _timed(run, want, f"T={tokens} {label}")) is not None:
+            rows.append((timed[0], f"{label}  err {timed[1]:.1e}"))
+    rows.sort()
+    print(f"\nT={tokens} TMA kernels ({flops / 1e12:.2f} TFLOP):")
+    for ms, name in rows[:12]:
+        print(f"  {ms * 1e3:9.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  {name}", flush=True)
+
+
 def sweep_down(tokens: int) -> None:
     """The down GEMM's own tiles at a prefill size (gate/up at its default, whose BLOCK_M both keep):
     its K is the expert width (512), so its tiles may want to differ from gate/up's (K 2,048)."""
@@ -141,9 +179,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokens", nargs="*", type=int, default=[1024, 4096, 8192, 16384])
     parser.add_argument("--down", action="store_true", help="sweep the down GEMM's tile alone")
+    parser.add_argument("--tma", action="store_true", help="the TMA kernels against the pointer kernel")
     args = parser.parse_args()
     for tokens in args.tokens:
-        if tokens <= 64:
+        if args.tma:
+            sweep_tma(tokens)
+        elif tokens <= 64:
             sweep_decode(tokens)
         else:
             sweep_down(tokens) if args.down else sweep(tokens)
