@@ -103,35 +103,42 @@ TMA_TILES = [
     for m, n, k, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4),
                            (128, 128, 128, 8, 2), (64, 128, 64, 4, 4)]
 ]  # fmt: skip
+TMA_DECODE_TILES = [
+    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=0, num_warps=4, num_stages=st)
+    for n, k, st in [(64, 128, 3), (64, 128, 4), (64, 128, 6), (128, 128, 4), (64, 256, 3), (32, 256, 4)]
+]
 
 
 def sweep_tma(tokens: int) -> None:
     """The TMA kernels (cuda_moe_tma: rows by pointer or descriptor, gate/up as two dots or one wide)
     against the pointer kernel at its default tile, both GEMMs + alignment timed, each checked
-    against the pointer kernel's output."""
+    against the pointer kernel's output. Up to 64 tokens: decode's inputs (the shared expert folded
+    in) and tiles."""
     from pdserve.ops.cuda_moe_tma import TmaOptions
 
     torch.manual_seed(tokens)
-    w13, w2 = rand(E, 2 * INTER, HIDDEN) * 0.02, rand(E, HIDDEN, INTER) * 0.04
+    decode = tokens <= 64
+    experts = E + int(decode)
+    w13, w2 = rand(experts, 2 * INTER, HIDDEN) * 0.02, rand(experts, HIDDEN, INTER) * 0.04
     x = rand(tokens, HIDDEN)
     weights, ids = torch.randn(tokens, E, device="cuda").softmax(-1).topk(TOPK, dim=-1)
+    if decode:  # the shared expert as a (k+1)-th pair of every token
+        ids = torch.cat([ids, torch.full((tokens, 1), E, device="cuda")], dim=1)
+        weights = torch.cat([weights, torch.full((tokens, 1), 0.5, device="cuda")], dim=1)
     weights = weights.to(torch.bfloat16)
-    flops = tokens * TOPK * 3 * HIDDEN * INTER * 2
+    flops = ids.numel() * 3 * HIDDEN * INTER * 2
     want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
-    rows = [
-        (
-            do_bench(lambda: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids), rep=50),
-            "pointer kernel, default",
-        )
-    ]
-    for cfg, a_tma, wide in itertools.product(TMA_TILES, (False, True), (False, True)):
+    plain = do_bench(lambda: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids), rep=50)
+    rows = [(plain, "pointer kernel, default")]
+    tiles = TMA_DECODE_TILES if decode else TMA_TILES
+    for cfg, a_tma, wide in itertools.product(tiles, (False,) if decode else (False, True), (False, True)):
         options = TmaOptions(a_tma=a_tma, wide=wide)
         run = lambda c=cfg, o=options: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=c, tma=o)  # noqa: E731
         label = f"tma a_tma={int(a_tma)} wide={int(wide)} {_name(cfg)}"
         if (timed := _timed(run, want, f"T={tokens} {label}")) is not None:
             rows.append((timed[0], f"{label}  err {timed[1]:.1e}"))
     rows.sort()
-    print(f"\nT={tokens} TMA kernels ({flops / 1e12:.2f} TFLOP):")
+    print(f"\nT={tokens} TMA kernels ({flops / 1e12:.3f} TFLOP; pointer kernel {plain * 1e3:.1f} us):")
     for ms, name in rows[:12]:
         print(f"  {ms * 1e3:9.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  {name}", flush=True)
 

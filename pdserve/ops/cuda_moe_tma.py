@@ -138,12 +138,10 @@ def tma_gemms(
         raise ValueError(f"tma_gemms: widths {inter}, {hidden} are not multiples of the tiles' BLOCK_N")
     rows, num_blocks = pair_of_row.shape[0], pair_of_row.shape[0] // bm
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    if options.a_tma:  # the rows of x each padded row reads (padding: row 0, never stored)
-        a = x.index_select(0, pair_of_row.clamp(min=0) // top_k)
-    else:
-        a = x
-    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(w13.view(num_experts * 2 * inter, hidden), [bn, bk])
+    a_desc = w_desc  # unread unless a_tma: then the rows of x each padded row reads (padding: row 0)
+    if options.a_tma:
+        a_desc = TensorDescriptor.from_tensor(x.index_select(0, pair_of_row.clamp(min=0) // top_k), [bm, bk])
     w3_desc = TensorDescriptor.from_tensor(w13.view(num_experts * 2, inter, hidden), [2, bn, bk])
     hidden_act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     _gate_up_tma_kernel[(num_blocks * (inter // bn),)](
