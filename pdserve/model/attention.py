@@ -10,6 +10,7 @@ from pdserve.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers import RMSNorm, RotaryEmbedding
 from pdserve.ops.linear import linear, linear_to_norm
+from pdserve.ops.long_attention import long_chunk_attention, takes_split
 
 
 class GatedAttention(nn.Module):
@@ -49,14 +50,18 @@ class GatedAttention(nn.Module):
             self.kv_layer,
             batch.slot_mapping,
         )
-        o = ops.paged_attention(
-            q,
-            self.kv_layer,
-            batch.cu_seqlens,
-            batch.seq_lens,
-            batch.block_tables,
-            self.scale,
-            max_q_len=batch.max_query_len,
-            programs=batch.attention_programs,
-        )
+        before = batch.context_before
+        if takes_split(batch.num_tokens, before):  # a long prompt's chunk
+            o = long_chunk_attention(q, self.kv_layer, batch.block_tables[0], before, self.scale)
+        else:
+            o = ops.paged_attention(
+                q,
+                self.kv_layer,
+                batch.cu_seqlens,
+                batch.seq_lens,
+                batch.block_tables,
+                self.scale,
+                max_q_len=batch.max_query_len,
+                programs=batch.attention_programs,
+            )
         return linear_to_norm(ops.output_gate(o, gate), self.o_proj)

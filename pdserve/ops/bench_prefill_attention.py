@@ -4,8 +4,9 @@ pages), kernel against kernel: `python -m pdserve.ops.bench_prefill_attention`.
 Workloads: a wave of follow-up turns (32 x 272 new tokens over 3,072 cached ones), a first
 prefill (32 x 1,024), and the last chunk of long prompts (8,192 new tokens over 131,072 and
 262,144). Implementations: the GQA-tiled kernel (`cuda_prefill_attention`) at its default tile
-and at others, and torch SDPA (flash / cuDNN / efficient, over K/V
-gathered from the pages, lower-right causal mask; equal lengths, so one batched call). Each is
+and at others, torch SDPA (flash / cuDNN / efficient, over K/V
+gathered from the pages, lower-right causal mask; equal lengths, so one batched call), and for the
+one-sequence chunks `long_attention`'s two-part split on cuDNN and flash. Each is
 timed with CUDA events (`triton.testing.do_bench`, median) and checked against the default
 tile's output. Prints TFLOP/s (causal FLOPs only) against the ~790 TFLOP/s bf16 peak.
 """
@@ -53,6 +54,15 @@ def sdpa(backend: SDPBackend, q, kv, cu, seq_lens, tables, scale) -> torch.Tenso
     return o.transpose(1, 2).reshape(q.shape)
 
 
+def split(backend: str, q, kv, cu, seq_lens, tables, scale) -> torch.Tensor:
+    """`long_attention.long_chunk_attention` with `backend`'s kernels for both parts."""
+    from pdserve.ops import long_attention
+
+    long_attention.BACKEND = backend
+    before = int(seq_lens[0]) - q.shape[0]
+    return long_attention.long_chunk_attention(q, kv, tables[0], before, scale)
+
+
 def causal_flops(seqs: int, q_len: int, context: int) -> float:
     visible = q_len * (context - q_len) + q_len * (q_len + 1) / 2
     return seqs * visible * H * D * 4
@@ -77,6 +87,9 @@ def main() -> None:
             )  # fmt: skip
         for backend in BACKENDS:
             impls[f"sdpa {backend.name.lower()}"] = partial(sdpa, backend, *inputs)
+        if shape[0] == 1:  # one long chunk: the two-part split (`long_attention`) on each backend
+            for backend in ("cudnn", "flash"):
+                impls[f"split, {backend} parts"] = partial(split, backend, *inputs)
         want = None
         for label, fn in impls.items():
             try:

@@ -19,10 +19,10 @@ from pdserve.ops.cuda_moe_tma import TmaOptions, tma_gemms
 from pdserve.ops.cuda_route import align_pairs, padded_rows, route_topk
 from pdserve.ops.cuda_route_align import ROUTE_ALIGN_TOKENS, route_align
 
-
 # Passes of at least this many (token, expert) pairs run the TMA kernels (`cuda_moe_tma`); 0: none,
 # until `python -m pdserve.ops.bench_moe_tiles --tma` has timed them on the GPU.
 TMA_FROM_PAIRS = 0
+
 
 @triton.jit(do_not_specialize=["num_blocks"])  # one build a tile config, whatever the pass size
 def _moe_gemm_kernel(

@@ -1,0 +1,89 @@
+"""A long prompt's chunk attention in two parts (`pdserve.ops.long_attention`: the unmasked prefix
+with the query heads folded, the chunk's own keys causally, merged by log-sum-exp) equals the paged
+attention it stands in for, op by op and in the engine's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.model import attention
+from pdserve.ops import long_attention, reference
+from tests.helpers import random_prompts
+
+HEADS, KV_HEADS, DIM, PAGE = 16, 2, 64, 16
+
+
+@pytest.mark.parametrize("tokens, before", [(32, 64), (40, 57), (17, 1), (5, 300)])
+def test_split_chunk_equals_paged_attention(tokens: int, before: int) -> None:
+    """Boundaries on and off the pages, a one-token prefix, a chunk shorter than a page."""
+    gen = torch.Generator().manual_seed(tokens + before)
+    end = before + tokens
+    pages = -(-end // PAGE)
+    kv = torch.randn(2, pages + 4, PAGE, KV_HEADS, DIM, generator=gen)
+    table = (torch.randperm(pages + 3, generator=gen)[: pages + 2] + 1).int()  # longer than needed
+    q = torch.randn(tokens, HEADS, DIM, generator=gen)
+    cu, lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([end], dtype=torch.int32)
+    want = reference.paged_attention(q, kv, cu, lens, table[None], DIM**-0.5)
+    got = long_attention.long_chunk_attention(q, kv, table, before, DIM**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_only_long_one_sequence_chunks_split(monkeypatch) -> None:
+    monkeypatch.setattr(long_attention, "SPLIT_FROM", 1000)
+    monkeypatch.setattr(long_attention, "MIN_CHUNK", 256)
+    assert long_attention.takes_split(256, 1000)
+    assert not long_attention.takes_split(255, 1000)  # a short chunk
+    assert not long_attention.takes_split(256, 999)  # a short prefix
+    assert not long_attention.takes_split(256, None)  # several sequences, or a decode step
+    monkeypatch.setattr(long_attention, "SPLIT_FROM", 0)
+    assert not long_attention.takes_split(10_000, 10**6)  # off
+
+
+def test_engine_tokens_equal_with_the_split(tiny_model_dir, monkeypatch) -> None:
+    """A 1,800-token prompt prefilled in chunks of 256, its chunks after the first split: the
+    greedy tokens of the run without the split, and the split ran (every attention layer, each
+    chunk after the first)."""
+    (prompt,) = random_prompts((1800,), seed=21, vocab=1000)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run() -> list[int]:
+        llm = LLM(
+            str(tiny_model_dir), dtype="float32", max_num_batched_tokens=256, enable_prefix_caching=False
+        )
+        return llm.generate([prompt], params)[0].token_ids
+
+    want = run()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[3])
+        return long_attention.long_chunk_attention(*args, **kwargs)
+
+    monkeypatch.setattr(long_attention, "SPLIT_FROM", 256)
+    monkeypatch.setattr(long_attention, "MIN_CHUNK", 256)
+    monkeypatch.setattr(attention, "long_chunk_attention", counted)
+    assert run() == want
+    assert sorted(set(calls)) == list(range(256, 1792, 256))  # each full chunk after the first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_split_chunk_on_the_gpu_equals_the_paged_kernel(backend: str, monkeypatch) -> None:
+    """bf16 at the Qwen3.6 heads (16 query, 2 KV, head dim 256): 1,024 new tokens over 8,200 cached,
+    torch's GPU attention for both parts, against the GQA paged kernel."""
+    from pdserve.ops import cuda_prefill_attention
+
+    monkeypatch.setattr(long_attention, "BACKEND", backend)
+    tokens, before, heads, kv_heads, dim = 1024, 8200, 16, 2, 256
+    end = before + tokens
+    pages = -(-end // PAGE)
+    kv = torch.randn(2, pages + 1, PAGE, kv_heads, dim, device="cuda").to(torch.bfloat16)
+    table = (torch.randperm(pages, device="cuda") + 1).int()
+    q = torch.randn(tokens, heads, dim, device="cuda").to(torch.bfloat16)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([end], dtype=torch.int32, device="cuda")
+    want = cuda_prefill_attention.paged_prefill(q, kv, cu, lens, table[None], dim**-0.5, tokens)
+    got = long_attention.long_chunk_attention(q, kv, table, before, dim**-0.5)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
