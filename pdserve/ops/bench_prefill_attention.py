@@ -71,6 +71,7 @@ def causal_flops(seqs: int, q_len: int, context: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--default-tile-only", action="store_true", help="no sweep of the kernel's tiles")
     args = parser.parse_args()
     print(f"{'workload':<10} {'implementation':<34} {'ms':>9} {'TFLOP/s':>8} {'rel err':>9}")
     for name in args.workloads:
@@ -80,7 +81,7 @@ def main() -> None:
         impls: dict[str, Callable[[], torch.Tensor]] = {
             "gqa default tile": partial(cuda_prefill_attention.paged_prefill, *inputs, shape[1])
         }
-        for bm, bn, warps, stages in TILES:
+        for bm, bn, warps, stages in [] if args.default_tile_only else TILES:
             impls[f"gqa m{bm} n{bn} w{warps} s{stages}"] = partial(
                 cuda_prefill_attention.paged_prefill, *inputs, shape[1],
                 block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
