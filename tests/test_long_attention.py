@@ -15,9 +15,12 @@ from tests.helpers import random_prompts
 HEADS, KV_HEADS, DIM, PAGE = 16, 2, 64, 16
 
 
+@pytest.mark.parametrize("key_block", [32768, 64, 37])
 @pytest.mark.parametrize("tokens, before", [(32, 64), (40, 57), (17, 1), (5, 300)])
-def test_split_chunk_equals_paged_attention(tokens: int, before: int) -> None:
-    """Boundaries on and off the pages, a one-token prefix, a chunk shorter than a page."""
+def test_split_chunk_equals_paged_attention(tokens: int, before: int, key_block: int, monkeypatch) -> None:
+    """Boundaries on and off the pages, a one-token prefix, a chunk shorter than a page; the prefix
+    in one piece, in pieces of 64 keys, of 37 (the last piece shorter)."""
+    monkeypatch.setattr(long_attention, "KEY_BLOCK", key_block)
     gen = torch.Generator().manual_seed(tokens + before)
     end = before + tokens
     pages = -(-end // PAGE)
@@ -42,9 +45,9 @@ def test_only_long_one_sequence_chunks_split(monkeypatch) -> None:
 
 
 def test_engine_tokens_equal_with_the_split(tiny_model_dir, monkeypatch) -> None:
-    """A 1,800-token prompt prefilled in chunks of 256, its chunks after the first split: the
-    greedy tokens of the run without the split, and the split ran (every attention layer, each
-    chunk after the first)."""
+    """A 1,800-token prompt prefilled in chunks of 256, its chunks after the first split (the
+    prefix in pieces of 300 keys): the greedy tokens of the run without the split, and the split
+    ran (every attention layer, each chunk after the first)."""
     (prompt,) = random_prompts((1800,), seed=21, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -63,19 +66,23 @@ def test_engine_tokens_equal_with_the_split(tiny_model_dir, monkeypatch) -> None
 
     monkeypatch.setattr(long_attention, "SPLIT_FROM", 256)
     monkeypatch.setattr(long_attention, "MIN_CHUNK", 256)
+    monkeypatch.setattr(long_attention, "KEY_BLOCK", 300)  # pieces of 300 keys, the last shorter
     monkeypatch.setattr(attention, "long_chunk_attention", counted)
     assert run() == want
     assert sorted(set(calls)) == list(range(256, 1792, 256))  # each full chunk after the first
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_block", [32768, 4096])
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
-def test_split_chunk_on_the_gpu_equals_the_paged_kernel(backend: str, monkeypatch) -> None:
+def test_split_chunk_on_the_gpu_equals_the_paged_kernel(backend: str, key_block: int, monkeypatch) -> None:
     """bf16 at the Qwen3.6 heads (16 query, 2 KV, head dim 256): 1,024 new tokens over 8,200 cached,
-    torch's GPU attention for both parts, against the GQA paged kernel."""
+    torch's GPU attention for the parts (the prefix in one piece, or two full pieces of 4,096 keys
+    on `backend` and 8 keys on flash), against the GQA paged kernel."""
     from pdserve.ops import cuda_prefill_attention
 
     monkeypatch.setattr(long_attention, "BACKEND", backend)
+    monkeypatch.setattr(long_attention, "KEY_BLOCK", key_block)
     tokens, before, heads, kv_heads, dim = 1024, 8200, 16, 2, 256
     end = before + tokens
     pages = -(-end // PAGE)

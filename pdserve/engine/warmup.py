@@ -29,6 +29,7 @@ from contextlib import nullcontext
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.resume_points import resume_suffix
+from pdserve.ops import long_attention
 from pdserve.prefix_stats import PrefixStats
 from pdserve.sampling.params import SamplingParams
 
@@ -109,6 +110,17 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
         if cache is not None:
             cache.clear()  # warm-up prompts are nobody's prefix, and their hits nobody's figures
             cache.stats = PrefixStats()
+    warm_up_long_attention(engine)
+
+
+def warm_up_long_attention(engine: LLMEngine) -> None:
+    """The long-chunk attention's plans (`ops.long_attention`, when on), for chunks of the full
+    batch budget: warm-up's prompts are too short to take that path."""
+    for layer in engine.runner.model.model.layers:
+        if layer.layer_type != "linear_attention":
+            attn = layer.self_attn
+            long_attention.warm_up(attn.kv_layer, attn.num_heads, engine.config.max_num_batched_tokens)
+            return
 
 
 def warm_up_grammars(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> None:
