@@ -3,17 +3,19 @@ most of the work (issue 12: at 131K-262K cached tokens, prefill attention is mos
 prompt's TTFT, and the GQA paged kernel runs at ~435-449 TFLOP/s).
 
 A chunk of T new queries at positions P..P+T-1 of one sequence attends to
-  1. the P cached keys before it, with no mask at all: every query sees every one of them. With
-     no mask the group's 8 query heads can be folded into the rows (one KV head, 8T rows), so a
-     plain dense attention kernel without GQA or mask support takes it: torch's cuDNN (or flash)
-     attention on the GPU, over the prefix's K/V gathered out of the pages;
-  2. its own T keys, causally: a square causal attention (the KV heads repeated to the query heads).
-Each part returns its rows' log-sum-exp; the two are merged exactly (softmax over the union of the
-keys). Parts 1 and 2 have the same FLOPs as the whole; the gathers cost ~2 x P x 2 KiB a layer.
+  1. the cached keys before it, with no mask at all: every query sees every one of them. With no
+     mask the group's 8 query heads fold into the rows (one KV head, 8T rows), so a plain dense
+     attention kernel without GQA or mask support takes it: torch's cuDNN attention on the GPU
+     (1.44x / 1.50x the paged kernel's speed for a whole chunk at 131K / 262K, H100, session 27),
+     in pieces of KEY_BLOCK keys gathered out of the pages;
+  2. the rest: the prefix's last P mod KEY_BLOCK keys and the chunk's own T, causal to the last
+     key, through flash attention (GQA and that mask natively).
+Each part returns its rows' log-sum-exp; the parts merge exactly (softmax over the union of the
+keys). The parts have the FLOPs of the whole; the gathers cost ~2 x P x 2 KiB a layer.
 
-`SPLIT_FROM` (cached tokens before the chunk) is 0, never, until `python -m
-pdserve.ops.bench_prefill_attention` has timed it against the paged kernel on the GPU. On a CPU
-the same parts run through torch's CPU flash attention (what the tests compare with the reference).
+`SPLIT_FROM` (cached tokens before the chunk) is 0, never, until this version has run the gpu
+tests and been served (docs/benchmarks.md, session 27: an earlier version served). On a CPU the
+same parts run through torch's CPU flash attention (what the tests compare with the reference).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 SPLIT_FROM = 0  # a one-sequence chunk after at least this many cached tokens takes this path; 0: none
 MIN_CHUNK = 1024  # ... of at least this many new tokens
 BACKEND = "cudnn"  # the prefix's full pieces on the GPU: "cudnn" or "flash" (torch's kernels with the lse)
-KEY_BLOCK = 32768  # the prefix's keys a kernel call takes (shapes that repeat: see long_chunk_attention)
+KEY_BLOCK = 16384  # the prefix's keys a kernel call takes (shapes that repeat: see long_chunk_attention)
 
 
 def takes_split(num_tokens: int, context_before: int | None) -> bool:
@@ -46,29 +48,41 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     return o, lse.float().reshape(q.shape[1], q.shape[2])
 
 
-def _unfold(o: torch.Tensor, lse: torch.Tensor, kv_heads: int, tokens: int):
-    """A folded part's (o [1, Hkv, T * G, D], lse [Hkv, T * G]) as ([T, H, D] fp32, [T, H])."""
-    group, dim = o.shape[2] // tokens, o.shape[3]
-    o = o.view(kv_heads, tokens, group, dim).permute(1, 0, 2, 3).reshape(tokens, -1, dim).float()
-    return o, lse.view(kv_heads, tokens, group).permute(1, 0, 2).reshape(tokens, -1)
-
-
-def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Fold a part (o, lse) into the running softmax (acc, acc_lse), both [T, H, (D)] fp32, in place."""
-    total = torch.logaddexp(acc_lse, lse)
-    acc.mul_((acc_lse - total).exp_()[..., None]).add_(o.float().mul_((lse - total).exp_()[..., None]))
-    acc_lse.copy_(total)
-    return acc
+def _tail(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] over k, v [S, Hkv, D] (S >= T), causal aligned to the last key (query i sees keys
+    0..S - T + i) -> (o [T, H, D], lse [H, T] fp32). On the GPU flash attention (GQA, the bottom-right
+    causal mask and any lengths natively: no plan to build); on a CPU through an explicit mask."""
+    tokens, keys = q.shape[0], k.shape[0]
+    if q.is_cuda:
+        out = torch.ops.aten._flash_attention_forward(
+            q[None], k[None], v[None], None, None, tokens, keys, 0.0, True, False, scale=scale
+        )
+        return out[0][0], out[1][0].float()
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1)[None] for x in (k, v))
+    seen = torch.ones(tokens, keys, dtype=torch.bool).tril(keys - tokens)
+    mask = torch.zeros(tokens, keys, dtype=q.dtype).masked_fill_(~seen, float("-inf"))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None], k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return o[0].transpose(0, 1), lse[0].float()
 
 
 def _gather(kv_half: torch.Tensor, pages: torch.Tensor, first: int, count: int) -> torch.Tensor:
     """Keys (or values) first..first+count-1 of a sequence out of its pages: [1, Hkv, count, D],
     contiguous (strides that depend on `count` only: cuDNN keys its plans on them)."""
+    rows = _pages_rows(kv_half, pages, first, count)
+    return rows.permute(1, 0, 2)[None].contiguous()
+
+
+def _pages_rows(kv_half: torch.Tensor, pages: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Keys (or values) first..first+count-1 of a sequence out of its pages: [count, Hkv, D]."""
     page_size, kv_heads, dim = kv_half.shape[1:]
     lo, hi = first // page_size, -(-(first + count) // page_size)
-    rows = kv_half.index_select(0, pages[lo:hi]).permute(2, 0, 1, 3).reshape(kv_heads, -1, dim)
     skip = first - lo * page_size
-    return rows[None, :, skip : skip + count].contiguous()
+    return kv_half.index_select(0, pages[lo:hi]).view(-1, kv_heads, dim)[skip : skip + count]
 
 
 def long_chunk_attention(
@@ -79,28 +93,34 @@ def long_chunk_attention(
     pages in order -> o [T, H, D] in q's dtype: `ops.paged_attention`'s result for that sequence.
 
     cuDNN builds an execution plan for every new shape and stride (40-70 ms of host time each,
-    measured on an H100), so only shapes that repeat go to it: the prefix goes to the kernel
-    KEY_BLOCK keys at a time, each piece gathered into a tensor of its own; the last, shorter
-    piece and the chunk's own keys (their lengths change from chunk to chunk) go to flash
-    attention, which builds nothing; each part's rows are merged into the running softmax."""
+    measured on an H100), so only shapes that repeat go to it: the prefix's first KEY_BLOCK x n
+    keys, KEY_BLOCK at a time, each piece gathered into a [Hkv, KEY_BLOCK, D] tensor of its own.
+    The rest of the prefix and the chunk's own keys (lengths that change from chunk to chunk)
+    go to flash attention in one call, causal to the last key. The parts merge into a running
+    softmax kept in the folded layout ([Hkv, T x G, D] fp32)."""
     num_tokens, heads, dim = q.shape
     kv_heads = kv_layer.shape[3]
     group = heads // kv_heads
     pages = table.long()
-    # the chunk's own keys, causally (square), the KV heads repeated to the query heads
-    own_k, own_v = (_gather(kv_layer[i], pages, context_before, num_tokens) for i in (0, 1))
-    own_k, own_v = (x.repeat_interleave(group, dim=1) for x in (own_k, own_v))
-    o, lse = _attend(q.transpose(0, 1)[None], own_k, own_v, scale, causal=True, backend="flash")
-    acc, acc_lse = o[0].transpose(0, 1).float(), lse.transpose(0, 1).contiguous()
-    # the prefix, unmasked: the group's query heads folded into the rows of one KV head
+    pieces = context_before // KEY_BLOCK
+    first = pieces * KEY_BLOCK  # the tail: keys first.. (the prefix's rest, then the chunk's own)
+    k, v = (_pages_rows(kv_layer[i], pages, first, context_before + num_tokens - first) for i in (0, 1))
+    o, lse = _tail(q, k, v, scale)
+    acc = o.view(num_tokens, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim).float()
+    acc_lse = lse.view(kv_heads, group, num_tokens).transpose(1, 2).reshape(kv_heads, -1)
     folded = q.view(num_tokens, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
-    for start in range(0, context_before, KEY_BLOCK):
-        count = min(KEY_BLOCK, context_before - start)
-        k, v = (_gather(kv_layer[i], pages, start, count) for i in (0, 1))
-        backend = BACKEND if count == KEY_BLOCK else "flash"
-        o, lse = _attend(folded, k, v, scale, causal=False, backend=backend)
-        _merge(acc, acc_lse, *_unfold(o, lse, kv_heads, num_tokens))
-    return acc.to(q.dtype)
+    for piece in range(pieces):
+        k, v = (_gather(kv_layer[i], pages, piece * KEY_BLOCK, KEY_BLOCK) for i in (0, 1))
+        o, lse = _attend(folded, k, v, scale, causal=False, backend=BACKEND)
+        total = torch.logaddexp(acc_lse, lse)
+        acc.mul_((acc_lse - total).exp_()[..., None]).addcmul_(o[0], (lse - total).exp_()[..., None])
+        acc_lse = total
+    return (
+        acc.view(kv_heads, num_tokens, group, dim)
+        .permute(1, 0, 2, 3)
+        .reshape(num_tokens, heads, dim)
+        .to(q.dtype)
+    )
 
 
 def warm_up(kv_layer: torch.Tensor, heads: int, chunk: int) -> None:
