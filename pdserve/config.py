@@ -62,6 +62,9 @@ class EngineConfig:
     # (None: all but 32; 0: the whole device)
     background_prefill_tokens: int = 32768
     background_prefill_sms: int | None = None
+    # a one-sequence prompt chunk after at least this many cached tokens computes its attention
+    # in parts (pdserve.ops.long_attention: the prefix through cuDNN); 0: never
+    long_attention_from: int = 0
     # what the engine serves: "prefill" captures no decode graphs (it never decodes), "decode"
     # (its prefix cache holds finished generations, for a prefill instance to pull), "both"
     # (offline, or one engine on one GPU)
@@ -95,6 +98,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.background_prefill_tokens < 0 or (self.background_prefill_sms or 0) < 0:
             raise ValueError("background_prefill_tokens and background_prefill_sms must be >= 0")
+        if self.long_attention_from < 0:
+            raise ValueError("long_attention_from must be >= 0")
         if self.snapshot_pool_mb is None:
             self.snapshot_pool_mb = 4096 if self.device.startswith("cuda") else 16
         if self.snapshot_pool_mb < 0:

@@ -33,42 +33,37 @@ def test_split_chunk_equals_paged_attention(tokens: int, before: int, key_block:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_only_long_one_sequence_chunks_split(monkeypatch) -> None:
-    monkeypatch.setattr(long_attention, "SPLIT_FROM", 1000)
+def test_only_long_chunks_split(monkeypatch) -> None:
     monkeypatch.setattr(long_attention, "MIN_CHUNK", 256)
-    assert long_attention.takes_split(256, 1000)
-    assert not long_attention.takes_split(255, 1000)  # a short chunk
-    assert not long_attention.takes_split(256, 999)  # a short prefix
-    assert not long_attention.takes_split(256, None)  # several sequences, or a decode step
-    monkeypatch.setattr(long_attention, "SPLIT_FROM", 0)
-    assert not long_attention.takes_split(10_000, 10**6)  # off
+    assert long_attention.takes_split(256, 1000, split_from=1000)
+    assert not long_attention.takes_split(255, 1000, split_from=1000)  # a short chunk
+    assert not long_attention.takes_split(256, 999, split_from=1000)  # a short prefix
+    assert not long_attention.takes_split(10_000, 10**6, split_from=0)  # off
 
 
 def test_engine_tokens_equal_with_the_split(tiny_model_dir, monkeypatch) -> None:
-    """A 1,800-token prompt prefilled in chunks of 256, its chunks after the first split (the
-    prefix in pieces of 300 keys): the greedy tokens of the run without the split, and the split
-    ran (every attention layer, each chunk after the first)."""
+    """A 1,800-token prompt prefilled in chunks of 256, with `long_attention_from=256` its chunks
+    after the first in parts (the prefix in pieces of 300 keys): the greedy tokens of the run
+    without, and the parts ran (every attention layer, each full chunk after the first)."""
     (prompt,) = random_prompts((1800,), seed=21, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
-    def run() -> list[int]:
-        llm = LLM(
-            str(tiny_model_dir), dtype="float32", max_num_batched_tokens=256, enable_prefix_caching=False
-        )
+    def run(long_attention_from: int) -> list[int]:
+        llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=256,
+                  enable_prefix_caching=False, long_attention_from=long_attention_from)  # fmt: skip
         return llm.generate([prompt], params)[0].token_ids
 
-    want = run()
+    want = run(0)
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(args[3])
         return long_attention.long_chunk_attention(*args, **kwargs)
 
-    monkeypatch.setattr(long_attention, "SPLIT_FROM", 256)
     monkeypatch.setattr(long_attention, "MIN_CHUNK", 256)
     monkeypatch.setattr(long_attention, "KEY_BLOCK", 300)  # pieces of 300 keys, the last shorter
     monkeypatch.setattr(attention, "long_chunk_attention", counted)
-    assert run() == want
+    assert run(256) == want
     assert sorted(set(calls)) == list(range(256, 1792, 256))  # each full chunk after the first
 
 

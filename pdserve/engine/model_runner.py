@@ -16,6 +16,7 @@ from pdserve.memory import GdnStatePool, KvPagePool
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.mid_pass_saves import MidPassSaves
 from pdserve.model.qwen3_5_moe import Qwen3MoeHybrid
+from pdserve.ops.long_attention import takes_split
 from pdserve.pinned import to_device
 from pdserve.weights import init_dummy_weights, load_weights
 
@@ -167,6 +168,10 @@ class ModelRunner:
             page_size=self.config.page_size,
             device=self.device,
         )
+        if len(scheduled) == 1:  # a long prompt's chunk alone in its pass: attention in parts?
+            seq, new = scheduled[0].seq, scheduled[0].num_new_tokens
+            if takes_split(new, seq.num_computed_tokens, self.config.long_attention_from):
+                batch.long_context = seq.num_computed_tokens
         if not batch.is_decode:  # checkpoints the pass crosses; the plan of its GDN scan
             offsets = [
                 [(p.position - s.seq.num_computed_tokens, p.checkpoint) for p in s.saves] for s in scheduled

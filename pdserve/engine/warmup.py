@@ -116,6 +116,8 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
 def warm_up_long_attention(engine: LLMEngine) -> None:
     """The long-chunk attention's plans (`ops.long_attention`, when on), for chunks of the full
     batch budget: warm-up's prompts are too short to take that path."""
+    if not engine.config.long_attention_from:
+        return
     for layer in engine.runner.model.model.layers:
         if layer.layer_type != "linear_attention":
             attn = layer.self_attn

@@ -10,7 +10,7 @@ from pdserve.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.layers import RMSNorm, RotaryEmbedding
 from pdserve.ops.linear import linear, linear_to_norm
-from pdserve.ops.long_attention import long_chunk_attention, takes_split
+from pdserve.ops.long_attention import long_chunk_attention
 
 
 class GatedAttention(nn.Module):
@@ -50,9 +50,8 @@ class GatedAttention(nn.Module):
             self.kv_layer,
             batch.slot_mapping,
         )
-        before = batch.context_before
-        if takes_split(batch.num_tokens, before):  # a long prompt's chunk
-            o = long_chunk_attention(q, self.kv_layer, batch.block_tables[0], before, self.scale)
+        if batch.long_context is not None:  # a long prompt's chunk: in parts
+            o = long_chunk_attention(q, self.kv_layer, batch.block_tables[0], batch.long_context, self.scale)
         else:
             o = ops.paged_attention(
                 q,

@@ -32,9 +32,9 @@ class ForwardBatch:
     gdn_chunks: torch.Tensor | None = None  # [NC, 2] int64: `ops.gdn_chunk_index` (prefill only)
     # a background pass beside decode steps: its prefill attention holds at most this many SMs
     attention_programs: int | None = None
-    # a one-sequence prefill pass: the tokens cached before its chunk (a host int, for
-    # `ops.long_attention`'s choice); None for several sequences or a decode step
-    context_before: int | None = None
+    # a long prompt's chunk whose attention goes in parts (`ops.long_attention`): the tokens
+    # cached before it (a host int); None: the paged kernel
+    long_context: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -90,5 +90,4 @@ class ForwardBatch:
             is_decode=is_decode,
             max_query_len=max(len(t) for t in token_ids),
             gdn_chunks=None if is_decode else chunks_t.view(-1, 2),
-            context_before=start_positions[0] if len(token_ids) == 1 and not is_decode else None,
         )

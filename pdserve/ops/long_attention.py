@@ -13,24 +13,26 @@ A chunk of T new queries at positions P..P+T-1 of one sequence attends to
 Each part returns its rows' log-sum-exp; the parts merge exactly (softmax over the union of the
 keys). The parts have the FLOPs of the whole; the gathers cost ~2 x P x 2 KiB a layer.
 
-`SPLIT_FROM` (cached tokens before the chunk) is 0, never, until this version has run the gpu
-tests and been served (docs/benchmarks.md, session 27: an earlier version served). On a CPU the
-same parts run through torch's CPU flash attention (what the tests compare with the reference).
+The engine takes this path for a chunk alone in its pass after `--long-attention-from` cached
+tokens (`EngineConfig.long_attention_from`, `takes_split`): 0, never, by default until this
+version has run the gpu tests and been served (docs/benchmarks.md, session 27: an earlier version
+served). On a CPU the same parts run through torch's CPU flash attention (what the tests compare
+with the reference).
 """
 
 from __future__ import annotations
 
 import torch
 
-SPLIT_FROM = 0  # a one-sequence chunk after at least this many cached tokens takes this path; 0: none
-MIN_CHUNK = 1024  # ... of at least this many new tokens
+MIN_CHUNK = 1024  # a chunk of fewer new tokens keeps the paged kernel
 BACKEND = "cudnn"  # the prefix's full pieces on the GPU: "cudnn" or "flash" (torch's kernels with the lse)
 KEY_BLOCK = 16384  # the prefix's keys a kernel call takes (shapes that repeat: see long_chunk_attention)
 
 
-def takes_split(num_tokens: int, context_before: int | None) -> bool:
-    """Whether a one-sequence chunk of `num_tokens` after `context_before` cached tokens is split."""
-    return context_before is not None and 0 < SPLIT_FROM <= context_before and num_tokens >= MIN_CHUNK
+def takes_split(num_tokens: int, context_before: int, split_from: int) -> bool:
+    """Whether a one-sequence chunk of `num_tokens` after `context_before` cached tokens goes in
+    parts, the engine's threshold being `split_from` (`EngineConfig.long_attention_from`; 0: never)."""
+    return 0 < split_from <= context_before and num_tokens >= MIN_CHUNK
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, backend: str):
@@ -125,9 +127,8 @@ def long_chunk_attention(
 
 def warm_up(kv_layer: torch.Tensor, heads: int, chunk: int) -> None:
     """Build the GPU kernels' plans of a chunk of `chunk` tokens over one full prefix piece
-    (cuDNN's first call took 0.2-1.7 s, each new shape 40-70 ms), on zeros. Nothing when off or
-    on a CPU."""
-    if SPLIT_FROM <= 0 or not kv_layer.is_cuda:
+    (cuDNN's first call took 0.2-1.7 s, each new shape 40-70 ms), on zeros. Nothing on a CPU."""
+    if not kv_layer.is_cuda:
         return
     kv_heads, dim = kv_layer.shape[3], kv_layer.shape[4]
     like = {"dtype": kv_layer.dtype, "device": kv_layer.device}
