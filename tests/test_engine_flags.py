@@ -33,3 +33,14 @@ def test_prefix_checkpoints_default_by_device(tiny_model_dir) -> None:
     assert (on_cpu.num_prefix_checkpoints, on_gpu.num_prefix_checkpoints) == (32, 16)
     off = EngineConfig(model=str(tiny_model_dir), device="cuda", max_num_seqs=8, enable_prefix_caching=False)
     assert off.num_state_slots == 8
+
+
+def test_long_attention_flag_reaches_the_config_and_the_children(tiny_model_dir) -> None:
+    args = parse("--model", str(tiny_model_dir), "--device", "cpu", "--long-attention-from", "16384")
+    assert engine_config_from_args(args).long_attention_from == 16384
+    argv = engine_argv(args)
+    assert argv[argv.index("--long-attention-from") + 1] == "16384"
+    default = engine_config_from_args(parse("--model", str(tiny_model_dir), "--device", "cpu"))
+    assert default.long_attention_from == 0
+    with pytest.raises(ValueError, match="long_attention_from"):
+        EngineConfig(model=str(tiny_model_dir), device="cpu", long_attention_from=-1)
