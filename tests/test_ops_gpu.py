@@ -250,23 +250,6 @@ def test_fused_moe_real_shape_both_kernels(tokens: int) -> None:
     assert rel_err(fused_moe_grouped_mm(*args), want) < 1e-2
 
 
-@pytest.mark.parametrize("tokens", [300, 4096])
-def test_fused_moe_tma_kernels_equal_the_pointer_kernel(tokens: int) -> None:
-    """The TMA variants (cuda_moe_tma) at the prefill tile: the reference's error, and the pointer
-    kernel's output within bf16 rounding (same tiles, same order of the K loop)."""
-    from pdserve.ops.cuda_moe import _block_config, fused_moe_triton
-    from pdserve.ops.cuda_moe_tma import TmaOptions
-
-    args = moe_inputs(tokens, 256, 2048, 512, torch.bfloat16)
-    want = fused_moe_reference(*(a.float() if a.is_floating_point() else a for a in args))
-    cfg = _block_config(128 * 256, 256)  # the compute-bound tile, whatever the token count
-    plain = fused_moe_triton(*args, cfg=cfg)
-    for options in (TmaOptions(), TmaOptions(a_tma=True), TmaOptions(wide=True)):
-        got = fused_moe_triton(*args, cfg=cfg, tma=options)
-        assert rel_err(got, want) < 1e-2, options
-        assert rel_err(got, plain) < 2e-3, options
-
-
 def test_decode_ops_capture_in_a_cuda_graph() -> None:
     """Sync-free: the decode-path ops capture in one CUDA graph, and replays equal eager calls."""
     batch, dtype = 8, torch.bfloat16

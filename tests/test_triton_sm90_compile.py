@@ -23,7 +23,6 @@ from pdserve.ops import (  # noqa: E402
     cuda_gdn_recurrent,
     cuda_layers,
     cuda_moe,
-    cuda_moe_tma,
     cuda_norms,
     cuda_prefill_attention,
     cuda_route,
@@ -37,20 +36,6 @@ ALIGN = {"ids_ptr": "*i64", "pair_of_row_ptr": "*i64", "scratch_ptr": "*i32"}
 MOE_ARGS = "N K stride_am stride_we stride_wn stride_cm top_k num_blocks".split()
 MOE = {"a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "pair_ptr": "*i64", "ids_ptr": "*i64",
        "weight_ptr": "*bf16", **dict.fromkeys(MOE_ARGS, "i32")}  # fmt: skip
-
-
-def tma(block: list[int]) -> str:
-    """The signature type of a host-side TMA descriptor of bf16 tiles of this shape."""
-    return f"tensordesc<bf16[{','.join(map(str, block))}]>"
-
-
-TMA_GATE_UP = {"x_ptr": "*bf16", "a_desc": tma([128, 64]), "w_desc": tma([128, 64]),
-               "w3_desc": tma([2, 128, 64]), "c_ptr": "*bf16", "pair_ptr": "*i64", "ids_ptr": "*i64",
-               **dict.fromkeys("N K stride_xm stride_cm top_k num_blocks".split(), "i32")}  # fmt: skip
-TMA_DOWN = {"a_desc": tma([128, 64]), "w_desc": tma([128, 64]), "c_ptr": "*bf16", "pair_ptr": "*i64",
-            "ids_ptr": "*i64", "weight_ptr": "*bf16",
-            **dict.fromkeys("N K stride_cm num_blocks".split(), "i32")}  # fmt: skip
-TMA_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 16}
 
 
 def moe_tile(num_pairs: int, num_experts: int) -> dict:
@@ -72,13 +57,6 @@ KERNELS = {
         {"GATE_UP": False, **moe_tile(36, 257), "IEEE": False},
         4,
     ),
-    **{
-        f"moe_tma_gate_up{'_a_tma' if a_tma else ''}{'_wide' if wide else ''}": (
-            cuda_moe_tma._gate_up_tma_kernel, TMA_GATE_UP, {"A_TMA": a_tma, "WIDE": wide, **TMA_TILE}, 8,
-        )
-        for a_tma, wide in [(False, False), (True, False), (False, True)]
-    },
-    "moe_tma_down": (cuda_moe_tma._down_tma_kernel, TMA_DOWN, TMA_TILE, 8),
     "route_topk": (
         cuda_route._route_topk_kernel,
         {**ROUTES, "stride_lt": "i32", "E": "i32", "SHARED_ID": "i32"},

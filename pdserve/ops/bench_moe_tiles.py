@@ -98,51 +98,6 @@ def sweep(tokens: int) -> list[tuple[float, str]]:
     return rows
 
 
-TMA_TILES = [
-    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=16, num_warps=w, num_stages=st)
-    for m, n, k, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4),
-                           (128, 128, 128, 8, 2), (64, 128, 64, 4, 4)]
-]  # fmt: skip
-TMA_DECODE_TILES = [
-    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=0, num_warps=4, num_stages=st)
-    for n, k, st in [(64, 128, 3), (64, 128, 4), (64, 128, 6), (128, 128, 4), (64, 256, 3), (32, 256, 4)]
-]
-
-
-def sweep_tma(tokens: int) -> None:
-    """The TMA kernels (cuda_moe_tma: rows by pointer or descriptor, gate/up as two dots or one wide)
-    against the pointer kernel at its default tile, both GEMMs + alignment timed, each checked
-    against the pointer kernel's output. Up to 64 tokens: decode's inputs (the shared expert folded
-    in) and tiles."""
-    from pdserve.ops.cuda_moe_tma import TmaOptions
-
-    torch.manual_seed(tokens)
-    decode = tokens <= 64
-    experts = E + int(decode)
-    w13, w2 = rand(experts, 2 * INTER, HIDDEN) * 0.02, rand(experts, HIDDEN, INTER) * 0.04
-    x = rand(tokens, HIDDEN)
-    weights, ids = torch.randn(tokens, E, device="cuda").softmax(-1).topk(TOPK, dim=-1)
-    if decode:  # the shared expert as a (k+1)-th pair of every token
-        ids = torch.cat([ids, torch.full((tokens, 1), E, device="cuda")], dim=1)
-        weights = torch.cat([weights, torch.full((tokens, 1), 0.5, device="cuda")], dim=1)
-    weights = weights.to(torch.bfloat16)
-    flops = ids.numel() * 3 * HIDDEN * INTER * 2
-    want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
-    plain = do_bench(lambda: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids), rep=50)
-    rows = [(plain, "pointer kernel, default")]
-    tiles = TMA_DECODE_TILES if decode else TMA_TILES
-    for cfg, a_tma, wide in itertools.product(tiles, (False,) if decode else (False, True), (False, True)):
-        options = TmaOptions(a_tma=a_tma, wide=wide)
-        run = lambda c=cfg, o=options: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=c, tma=o)  # noqa: E731
-        label = f"tma a_tma={int(a_tma)} wide={int(wide)} {_name(cfg)}"
-        if (timed := _timed(run, want, f"T={tokens} {label}")) is not None:
-            rows.append((timed[0], f"{label}  err {timed[1]:.1e}"))
-    rows.sort()
-    print(f"\nT={tokens} TMA kernels ({flops / 1e12:.3f} TFLOP; pointer kernel {plain * 1e3:.1f} us):")
-    for ms, name in rows[:12]:
-        print(f"  {ms * 1e3:9.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  {name}", flush=True)
-
-
 def sweep_down(tokens: int) -> None:
     """The down GEMM's own tiles at a prefill size (gate/up at its default, whose BLOCK_M both keep):
     its K is the expert width (512), so its tiles may want to differ from gate/up's (K 2,048)."""
@@ -186,12 +141,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokens", nargs="*", type=int, default=[1024, 4096, 8192, 16384])
     parser.add_argument("--down", action="store_true", help="sweep the down GEMM's tile alone")
-    parser.add_argument("--tma", action="store_true", help="the TMA kernels against the pointer kernel")
     args = parser.parse_args()
     for tokens in args.tokens:
-        if args.tma:
-            sweep_tma(tokens)
-        elif tokens <= 64:
+        if tokens <= 64:
             sweep_decode(tokens)
         else:
             sweep_down(tokens) if args.down else sweep(tokens)

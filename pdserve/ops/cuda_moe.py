@@ -15,13 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.ops.cuda_moe_tma import TmaOptions, tma_gemms
 from pdserve.ops.cuda_route import align_pairs, padded_rows, route_topk
 from pdserve.ops.cuda_route_align import ROUTE_ALIGN_TOKENS, route_align
-
-# Passes of at least this many (token, expert) pairs run the TMA kernels (`cuda_moe_tma`); 0: none
-# (timed in session 27: -2.8% at 8,192 tokens, slower at decode sizes; see that module).
-TMA_FROM_PAIRS = 0
 
 
 @triton.jit(do_not_specialize=["num_blocks"])  # one build a tile config, whatever the pass size
@@ -141,14 +136,12 @@ def fused_moe_triton(
     cfg: dict[str, int] | None = None,
     cfg_down: dict[str, int] | None = None,
     pair_of_row: torch.Tensor | None = None,
-    tma: TmaOptions | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights, topk_ids [T, K] -> [T, H] in x's dtype
     (reduce=False: the weighted rows of each pair, [T, K, H]). `cfg`, `cfg_down`: tile sizes of the
     gate/up and the down GEMM other than `_block_config`'s (pdserve.ops.bench_moe_tiles sweeps them;
     cfg_down defaults to cfg and must keep its BLOCK_M: both GEMMs read one row layout). `pair_of_row`:
-    the ids' row layout for cfg's BLOCK_M when the caller has it (`route_align`). `tma`: run the
-    GEMMs with TMA weight reads (`cuda_moe_tma`; default: passes of at least TMA_FROM_PAIRS pairs)."""
+    the ids' row layout for cfg's BLOCK_M when the caller has it (`route_align`)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -166,12 +159,6 @@ def fused_moe_triton(
     x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), topk_ids.contiguous()
     weights = topk_weights.contiguous().flatten()
     ieee = x.dtype == torch.float32
-    if tma is None and 0 < TMA_FROM_PAIRS <= topk_ids.numel() and x.is_cuda:
-        tma = TmaOptions()
-    if tma is not None:
-        per_pair = tma_gemms(x, w13, w2, weights, ids, pair_of_row, cfg, cfg_down, tma)
-        per_pair = per_pair.view(num_tokens, top_k, hidden)
-        return per_pair.sum(dim=1, dtype=torch.float32).to(x.dtype) if reduce else per_pair
     hidden_act = torch.empty(pair_of_row.shape[0], inter, dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(num_blocks * triton.cdiv(inter, block_n),)](
         x, w13, hidden_act, pair_of_row, ids, weights,
