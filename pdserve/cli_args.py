@@ -64,8 +64,9 @@ _HELP = {
     "beside the decode steps instead of in them, so short streams keep their ITL (default 32768; 0: never)",
     "--background-prefill-sms": "SMs a background prefill pass may hold on a GPU (default: all but 32; "
     "0: the whole device)",
-    "--long-attention-from": "a prompt chunk of >= 1,024 tokens, alone in its pass, after at least this many "
-    "cached tokens computes its attention in parts: the cached prefix through cuDNN (default 0: never)",
+    "--long-attention-from": "a prompt chunk of >= 1,024 tokens, alone in its pass, after at least this "
+    "many cached tokens computes its attention in parts: the cached prefix through cuDNN (default 16384; "
+    "0: never)",
 }
 
 

@@ -63,8 +63,9 @@ class EngineConfig:
     background_prefill_tokens: int = 32768
     background_prefill_sms: int | None = None
     # a one-sequence prompt chunk after at least this many cached tokens computes its attention
-    # in parts (pdserve.ops.long_attention: the prefix through cuDNN); 0: never
-    long_attention_from: int = 0
+    # in parts (pdserve.ops.long_attention: the prefix through cuDNN); 0: never. 16,384: served
+    # on the H200 (docs/benchmarks.md, session 28), 262K's TTFT 22.9 -> 20.3 s
+    long_attention_from: int = 16384
     # what the engine serves: "prefill" captures no decode graphs (it never decodes), "decode"
     # (its prefix cache holds finished generations, for a prefill instance to pull), "both"
     # (offline, or one engine on one GPU)

@@ -36,11 +36,11 @@ def test_prefix_checkpoints_default_by_device(tiny_model_dir) -> None:
 
 
 def test_long_attention_flag_reaches_the_config_and_the_children(tiny_model_dir) -> None:
-    args = parse("--model", str(tiny_model_dir), "--device", "cpu", "--long-attention-from", "16384")
-    assert engine_config_from_args(args).long_attention_from == 16384
+    args = parse("--model", str(tiny_model_dir), "--device", "cpu", "--long-attention-from", "4096")
+    assert engine_config_from_args(args).long_attention_from == 4096
     argv = engine_argv(args)
-    assert argv[argv.index("--long-attention-from") + 1] == "16384"
+    assert argv[argv.index("--long-attention-from") + 1] == "4096"
     default = engine_config_from_args(parse("--model", str(tiny_model_dir), "--device", "cpu"))
-    assert default.long_attention_from == 0
+    assert default.long_attention_from == 16384
     with pytest.raises(ValueError, match="long_attention_from"):
         EngineConfig(model=str(tiny_model_dir), device="cpu", long_attention_from=-1)

@@ -116,8 +116,9 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
 def warm_up_long_attention(engine: LLMEngine) -> None:
     """The long-chunk attention's plans (`ops.long_attention`, when on), for chunks of the full
     batch budget: warm-up's prompts are too short to take that path."""
-    if not engine.config.long_attention_from:
-        return
+    split_from = engine.config.long_attention_from
+    if not split_from or engine.config.max_model_len <= split_from:
+        return  # no prompt can take that path
     for layer in engine.runner.model.model.layers:
         if layer.layer_type != "linear_attention":
             attn = layer.self_attn

@@ -14,10 +14,9 @@ Each part returns its rows' log-sum-exp; the parts merge exactly (softmax over t
 keys). The parts have the FLOPs of the whole; the gathers cost ~2 x P x 2 KiB a layer.
 
 The engine takes this path for a chunk alone in its pass after `--long-attention-from` cached
-tokens (`EngineConfig.long_attention_from`, `takes_split`): 0, never, by default until this
-version has run the gpu tests and been served (docs/benchmarks.md, session 27: an earlier version
-served). On a CPU the same parts run through torch's CPU flash attention (what the tests compare
-with the reference).
+tokens (`EngineConfig.long_attention_from`, `takes_split`; default 16,384, 0: never), served on
+the H200 in session 28 (docs/benchmarks.md: 262K's TTFT 22.9 -> 20.3 s). On a CPU the same
+parts run through torch's CPU flash attention (what the tests compare with the reference).
 """
 
 from __future__ import annotations
