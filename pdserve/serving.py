@@ -28,7 +28,7 @@ from pdserve.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.warmup import warm_up, warm_up_grammars
+from pdserve.engine.warmup import warm_up, warm_up_grammars, warm_up_long_attention
 from pdserve.ops import compile_watch
 from pdserve.registry import HEARTBEAT_S, InstanceRegistry
 from pdserve.serving_stats import STATS_INTERVAL_S, ServingStats
@@ -222,6 +222,8 @@ class EngineHost:
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.thread.start()
+        if self.engine.runner.device.type == "cuda":  # the first call: plans cached per thread
+            self.thread.post(warm_up_long_attention, self.engine)
 
     def stop(self) -> None:
         self.thread.stop()

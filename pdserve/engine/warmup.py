@@ -110,12 +110,13 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
         if cache is not None:
             cache.clear()  # warm-up prompts are nobody's prefix, and their hits nobody's figures
             cache.stats = PrefixStats()
-    warm_up_long_attention(engine)
 
 
 def warm_up_long_attention(engine: LLMEngine) -> None:
     """The long-chunk attention's plans (`ops.long_attention`, when on), for chunks of the full
-    batch budget: warm-up's prompts are too short to take that path."""
+    batch budget: warm-up's prompts are too short to take that path. Call it on the thread that
+    runs the steps: torch caches cuDNN's attention plans per thread (warmed on the main thread, the
+    engine thread built its own at the first long chunk: an 84-92 ms stall, H200, session 28)."""
     split_from = engine.config.long_attention_from
     if not split_from or engine.config.max_model_len <= split_from:
         return  # no prompt can take that path
