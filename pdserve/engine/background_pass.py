@@ -44,6 +44,9 @@ LAYERS_PER_STEP = 4  # at most this many launched between two foreground steps (
 # hidden behind the step's GPU time (a 4-row decode step is ~10 ms on the SMs left to it)
 HOST_S_PER_STEP = 0.005
 DECODE_SMS = 32  # SMs a green context leaves to the decode steps by default
+# an express pass (a short prompt beside a long one's) launches layers until the step's host
+# budget is spent, however many wait: its TTFT is the pacing (a 128-token layer is ~0.5 ms)
+EXPRESS_LAYERS = 1000
 
 
 def background_stream(device: torch.device, sms: int | None) -> torch.cuda.Stream | None:
@@ -98,29 +101,29 @@ class BackgroundPass:
             self._layer_done.pop(0)
         return len(self._layer_done)
 
-    def advance(self, until: float) -> int:
-        """Launch the next layers: up to `LAYERS_PER_STEP`, on a GPU only while fewer than
-        `QUEUED_LAYERS` wait there (the queue stays short, so the host time goes where it pays),
-        and past the host clock's `until` only while none waits (the stream never idles for it).
-        Returns how many it launched."""
-        for launched in range(LAYERS_PER_STEP):
-            if self._launched_all():
+    def advance(self, until: float, layers: int = LAYERS_PER_STEP, queue: int = QUEUED_LAYERS) -> int:
+        """Launch the next layers: up to `layers`, on a GPU only while fewer than `queue` wait
+        there (the queue stays short, so the host time goes where it pays), and past the host
+        clock's `until` only while none waits (the stream never idles for it). Returns how many
+        it launched."""
+        for launched in range(layers):
+            if self.launched_all():
                 return launched
             if self.stream is not None:
                 queued = self._queued()
-                if queued >= QUEUED_LAYERS or (queued and time.perf_counter() >= until):
+                if queued >= queue or (queued and time.perf_counter() >= until):
                     return launched
             self._launch_one()
-        return LAYERS_PER_STEP
+        return layers
 
     def run_to_end(self) -> None:
         """Launch what is left and wait for it (nothing else to run beside it, or an abort)."""
-        while not self._launched_all():
+        while not self.launched_all():
             self._launch_one()
         if self._done is not None:
             self._done.synchronize()
 
-    def _launched_all(self) -> bool:
+    def launched_all(self) -> bool:
         return self._done is not None or self._finished_on_host
 
     def _launch_one(self) -> None:
@@ -170,65 +173,93 @@ class BackgroundHostTime:
 
 
 class BackgroundLane:
-    """The engine's background passes, one at a time: which chunk of a step goes there (`split`),
-    starting and pacing it while the rest of the step runs (`beside`), the pass the GPU has
-    finished (`take_done`), and an abort's wait for it (`abandon`)."""
+    """The engine's background passes: a long prompt's chunk (`current`), and beside it at most
+    one other prompt chunk (`express`, see `split`); which chunk of a step goes there (`split`),
+    starting and pacing them while the rest of the step runs (`beside`), the passes the GPU has
+    finished (`take_done`), and an abort's wait (`abandon`)."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, threshold: int, sms: int | None) -> None:
         self.runner, self.sampler = runner, sampler
         self.threshold = threshold  # a chunk ending at or past it goes to the background (0: never)
         self.sms = sms
         self.current: BackgroundPass | None = None
-        self.host = BackgroundHostTime()  # the last step's host time on the pass
+        self.express: BackgroundPass | None = None
+        self.host = BackgroundHostTime()  # the last step's host time on the passes
         self._stream: torch.cuda.Stream | None = None  # made at the first pass
 
+    def busy(self) -> bool:
+        return self.current is not None or self.express is not None
+
     def split(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], ScheduledSeq | None]:
-        """(the step, a long prompt chunk taken out of it for a background pass): a chunk of a
-        sequence of at least the threshold's tokens, in a step that also runs other sequences
-        (decoding, or short prompts admitted beside it), while no pass runs."""
-        if not self.threshold or self.current is not None or len(scheduled) < 2:
+        """(the step, a prompt chunk taken out of it for a background pass), in a step that also
+        runs other sequences (decoding, or other prompts):
+          - while no pass runs: a chunk of a sequence of at least the threshold's tokens;
+          - while a long prompt's pass runs: any prompt chunk, as the EXPRESS pass. On the
+            decode steps' SMs beside the long pass, a short prompt's chunk (128 tokens read
+            nearly every expert's weights) made a step of 27-70 ms, a gap in every stream
+            (H200, session 28); on the background stream it delays none of them.
+        Prompts scored in their passes (prompt logprobs) stay in the foreground."""
+        if not self.threshold or len(scheduled) < 2 or self.express is not None:
             return scheduled, None
         for item in scheduled:
             seq = item.seq
-            if item.num_new_tokens > 1 and seq.num_tokens >= self.threshold:
-                if seq.prompt_logprobs is not None:  # scored in its passes: kept in the foreground
-                    continue
+            long_chunk = seq.num_tokens >= self.threshold
+            if item.num_new_tokens > 1 and seq.prompt_logprobs is None and (long_chunk or self.current):
                 return [s for s in scheduled if s is not item], item
         return scheduled, None
 
     def beside(self, item: ScheduledSeq | None, alone: bool) -> None:
         """While the GPU runs the step just launched: start `item`'s pass (its batch built now,
-        not before the step's launch) and launch the next layers (all of them when the step
-        launched nothing: `alone`)."""
+        not before the step's launch) and launch the next layers: the express pass's first, as
+        many as the step's host budget allows, then the long pass's; all of them when the step
+        launched nothing (`alone`)."""
         began, self.host = time.perf_counter(), BackgroundHostTime()
         if item is not None:
             if self._stream is None:
                 self._stream = background_stream(self.runner.device, self.sms)
-            self.current = BackgroundPass(self.runner, self.sampler, item, self._stream)
+            started = BackgroundPass(self.runner, self.sampler, item, self._stream)
+            if self.current is None:
+                self.current = started
+            else:
+                self.express = started
             self.host.start = time.perf_counter() - began
-        if self.current is None:
+        if not self.busy():
             return
         launching = time.perf_counter()
-        if alone:
-            self.current.run_to_end()  # nothing else to run: it may take the whole step
-        else:
-            self.host.layers = self.current.advance(until=began + HOST_S_PER_STEP)
+        until = began + HOST_S_PER_STEP
+        if alone:  # nothing else to run: they may take the whole step
+            for running in (self.express, self.current):
+                if running is not None:
+                    running.run_to_end()
+        elif self.express is not None and not self.express.launched_all():
+            self.host.layers = self.express.advance(until, layers=EXPRESS_LAYERS, queue=EXPRESS_LAYERS)
+        elif self.current is not None:
+            self.host.layers = self.current.advance(until)
         self.host.launch = time.perf_counter() - launching
 
-    def take_done(self) -> BackgroundPass | None:
-        """The pass, once the GPU has run all of it (it is no longer current then)."""
-        if self.current is None or not self.current.done():
-            return None
-        done, self.current = self.current, None
-        done.seq.in_background = False
+    def take_done(self) -> list[BackgroundPass]:
+        """The passes the GPU has run all of (no longer the lane's then)."""
+        done = []
+        if self.express is not None and self.express.done():
+            done.append(self.express)
+            self.express = None
+        if self.current is not None and self.current.done():
+            done.append(self.current)
+            self.current = None
+        for finished in done:
+            finished.seq.in_background = False
         return done
 
     def abandon(self, seq: Sequence) -> ScheduledSeq | None:
         """`seq`'s pass, waited for (its pages and slot are in use on the GPU until it ends) and
         dropped: its chunk, whose reserved checkpoints the caller frees; None if it has none."""
-        if self.current is None or self.current.seq is not seq:
-            return None
-        self.current.run_to_end()
-        item, self.current = self.current.item, None
-        seq.in_background = False
-        return item
+        for running in (self.express, self.current):
+            if running is not None and running.seq is seq:
+                running.run_to_end()
+                if running is self.express:
+                    self.express = None
+                else:
+                    self.current = None
+                seq.in_background = False
+                return running.item
+        return None

@@ -134,7 +134,7 @@ class LLMEngine:
         return self.scheduler.release_lease(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._ahead is not None or self.background.current is not None
+        return self.scheduler.has_work() or self._ahead is not None or self.background.busy()
 
     # ---- the loop
     def step(self) -> list[RequestOutput]:
@@ -158,8 +158,7 @@ class LLMEngine:
                 self._ahead = launched
             else:
                 outputs += self._finish(launched)
-        done = self.background.take_done()
-        if done is not None:
+        for done in self.background.take_done():
             outputs += self._end_background(done)
         return outputs
 
