@@ -42,6 +42,7 @@ ENGINE_SWITCHES: dict[str, str] = {
     "--enforce-eager": "enforce_eager",
     "--enable-prefix-caching": "enable_prefix_caching",
     "--prefill-graphs": "prefill_graphs",
+    "--express-prefill": "express_prefill",
 }
 _HELP = {
     "--enforce-eager": "no CUDA graphs for decode",
@@ -49,6 +50,8 @@ _HELP = {
     "checkpoints; --no-enable-prefix-caching turns it off",
     "--prefill-graphs": "replay small prefill passes (chat turns: up to 512 tokens, 64 sequences, "
     "short chunks) from CUDA graphs captured at start (off until measured served)",
+    "--express-prefill": "while a long prompt's chunk runs beside the decode steps, a short prompt's "
+    "chunk runs beside it on the background stream, not in the decode step (off until measured on a GPU)",
     "--dtype": "model dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16",
     "--load-format": "auto (safetensors) or dummy (random weights, for benchmarks)",
     "--dummy-weight-seed": "seed of the random weights of --load-format dummy (default 0)",

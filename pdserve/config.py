@@ -62,6 +62,10 @@ class EngineConfig:
     # (None: all but 32; 0: the whole device)
     background_prefill_tokens: int = 32768
     background_prefill_sms: int | None = None
+    # while a long prompt's background pass runs, another prompt chunk scheduled beside decode rows
+    # runs on the background stream too (the express pass), not in the decode step: off until
+    # it has run on a GPU (docs/benchmarks.md, session 28)
+    express_prefill: bool = False
     # a one-sequence prompt chunk after at least this many cached tokens computes its attention
     # in parts (pdserve.ops.long_attention: the prefix through cuDNN); 0: never. 16,384: served
     # on the H200 (docs/benchmarks.md, session 28), 262K's TTFT 22.9 -> 20.3 s

@@ -44,3 +44,11 @@ def test_long_attention_flag_reaches_the_config_and_the_children(tiny_model_dir)
     assert default.long_attention_from == 16384
     with pytest.raises(ValueError, match="long_attention_from"):
         EngineConfig(model=str(tiny_model_dir), device="cpu", long_attention_from=-1)
+
+
+def test_express_prefill_switch_reaches_the_config_and_the_children(tiny_model_dir) -> None:
+    default = engine_config_from_args(parse("--model", str(tiny_model_dir), "--device", "cpu"))
+    assert default.express_prefill is False
+    args = parse("--model", str(tiny_model_dir), "--device", "cpu", "--express-prefill")
+    assert engine_config_from_args(args).express_prefill is True
+    assert "--express-prefill" in engine_argv(args)

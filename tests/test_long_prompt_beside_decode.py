@@ -184,24 +184,29 @@ def test_cuda_background_pass_starts_without_waiting_for_the_device(tiny_model_d
     )
 
 
+@pytest.mark.parametrize("express", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_short_prompt_beside_a_long_pass_runs_as_the_express_pass(tiny_model_dir, device: str) -> None:
-    """A short prompt admitted beside decode rows while a long prompt's chunk runs in the
-    background is taken out of the step too, as the express pass (a step of 128 prompt tokens
-    beside the decode rows was a 27-70 ms gap in every stream, H200); every request gives the
-    tokens it gives alone, the long prompt's pass goes on after it, and nothing leaks."""
+def test_a_short_prompt_beside_a_long_pass_runs_as_the_express_pass(
+    tiny_model_dir, device: str, express: bool
+) -> None:
+    """With `express_prefill`, a short prompt admitted beside decode rows while a long prompt's
+    chunk runs in the background is taken out of the step too, as the express pass (a step of
+    128 prompt tokens beside the decode rows was a 27-70 ms gap in every stream, H200); without
+    it, it runs in the decode step. Either way every request gives the tokens it gives alone,
+    the long prompt's pass goes on, and nothing leaks."""
     llm = LLM(str(tiny_model_dir), device=device, dtype="float32", max_num_batched_tokens=128,
-              background_prefill_tokens=200, enable_prefix_caching=False, num_kv_pages=64)  # fmt: skip
+              background_prefill_tokens=200, enable_prefix_caching=False, num_kv_pages=64,
+              express_prefill=express)  # fmt: skip
     long_prompt, decoding, late = random_prompts((500, 12, 20), seed=15, vocab=1000)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     alone = [out.token_ids for out in llm.generate([long_prompt, decoding, late], params)]
     engine = llm.engine
-    lane, split, express = engine.background, engine.background.split, []
+    lane, split, taken_beside = engine.background, engine.background.split, []
 
     def recording_split(scheduled):
         step, taken = split(scheduled)
         if taken is not None and lane.current is not None:
-            express.append((taken.seq.request_id, lane.current.seq.request_id))
+            taken_beside.append((taken.seq.request_id, lane.current.seq.request_id))
         return step, taken
 
     lane.split = recording_split
@@ -214,7 +219,7 @@ def test_a_short_prompt_beside_a_long_pass_runs_as_the_express_pass(tiny_model_d
     outputs = {}
     while engine.has_unfinished():
         outputs.update((out.request_id, out) for out in engine.step())
-    assert express == [(ids[2], ids[1])]
+    assert taken_beside == ([(ids[2], ids[1])] if express else [])
     assert [outputs[ids[1]].token_ids, outputs[ids[0]].token_ids[:6], outputs[ids[2]].token_ids] == [
         alone[0],
         alone[1],

@@ -178,10 +178,13 @@ class BackgroundLane:
     starting and pacing them while the rest of the step runs (`beside`), the passes the GPU has
     finished (`take_done`), and an abort's wait (`abandon`)."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, threshold: int, sms: int | None) -> None:
+    def __init__(
+        self, runner: ModelRunner, sampler: Sampler, threshold: int, sms: int | None, express: bool = False
+    ) -> None:
         self.runner, self.sampler = runner, sampler
         self.threshold = threshold  # a chunk ending at or past it goes to the background (0: never)
         self.sms = sms
+        self.takes_express = express  # `EngineConfig.express_prefill`
         self.current: BackgroundPass | None = None
         self.express: BackgroundPass | None = None
         self.host = BackgroundHostTime()  # the last step's host time on the passes
@@ -194,17 +197,19 @@ class BackgroundLane:
         """(the step, a prompt chunk taken out of it for a background pass), in a step that also
         runs other sequences (decoding, or other prompts):
           - while no pass runs: a chunk of a sequence of at least the threshold's tokens;
-          - while a long prompt's pass runs: any prompt chunk, as the EXPRESS pass. On the
-            decode steps' SMs beside the long pass, a short prompt's chunk (128 tokens read
-            nearly every expert's weights) made a step of 27-70 ms, a gap in every stream
-            (H200, session 28); on the background stream it delays none of them.
+          - while a long prompt's pass runs, with `express`: any prompt chunk, as the EXPRESS
+            pass. On the decode steps' SMs beside the long pass, a short prompt's chunk (128
+            tokens read nearly every expert's weights) made a step of 27-70 ms, a gap in every
+            stream (H200, session 28); on the background stream it delays none of them.
         Prompts scored in their passes (prompt logprobs) stay in the foreground."""
-        if not self.threshold or len(scheduled) < 2 or self.express is not None:
+        if not self.threshold or len(scheduled) < 2:
             return scheduled, None
+        express = self.takes_express and self.current is not None and self.express is None
         for item in scheduled:
             seq = item.seq
-            long_chunk = seq.num_tokens >= self.threshold
-            if item.num_new_tokens > 1 and seq.prompt_logprobs is None and (long_chunk or self.current):
+            if item.num_new_tokens < 2 or seq.prompt_logprobs is not None:
+                continue
+            if express or (self.current is None and seq.num_tokens >= self.threshold):
                 return [s for s in scheduled if s is not item], item
         return scheduled, None
 

@@ -58,7 +58,11 @@ class LLMEngine:
         self.run_ahead = True  # pdserve.engine.run_ahead; False: finish each step before the next
         self._ahead: InFlight | None = None
         self.background = BackgroundLane(  # a long prompt's chunks beside the steps
-            self.runner, self.sampler, config.background_prefill_tokens, config.background_prefill_sms
+            self.runner,
+            self.sampler,
+            config.background_prefill_tokens,
+            config.background_prefill_sms,
+            express=config.express_prefill,
         )
         self.prefill_rate = PrefillRate()  # measured per step, for the prefix cache's pulls
         # one instance holding both roles: a handed-over sequence decodes on at once, its
