@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.sequence import Sequence
@@ -178,13 +179,12 @@ class BackgroundLane:
     starting and pacing them while the rest of the step runs (`beside`), the passes the GPU has
     finished (`take_done`), and an abort's wait (`abandon`)."""
 
-    def __init__(
-        self, runner: ModelRunner, sampler: Sampler, threshold: int, sms: int | None, express: bool = False
-    ) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, config: EngineConfig) -> None:
         self.runner, self.sampler = runner, sampler
-        self.threshold = threshold  # a chunk ending at or past it goes to the background (0: never)
-        self.sms = sms
-        self.takes_express = express  # `EngineConfig.express_prefill`
+        # a chunk of a sequence of at least this many tokens goes to the background (0: never)
+        self.threshold = config.background_prefill_tokens
+        self.sms = config.background_prefill_sms
+        self.takes_express = config.express_prefill
         self.current: BackgroundPass | None = None
         self.express: BackgroundPass | None = None
         self.host = BackgroundHostTime()  # the last step's host time on the passes

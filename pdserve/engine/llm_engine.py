@@ -57,13 +57,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.run_ahead = True  # pdserve.engine.run_ahead; False: finish each step before the next
         self._ahead: InFlight | None = None
-        self.background = BackgroundLane(  # a long prompt's chunks beside the steps
-            self.runner,
-            self.sampler,
-            config.background_prefill_tokens,
-            config.background_prefill_sms,
-            express=config.express_prefill,
-        )
+        self.background = BackgroundLane(self.runner, self.sampler, config)  # long prompts beside the steps
         self.prefill_rate = PrefillRate()  # measured per step, for the prefix cache's pulls
         # one instance holding both roles: a handed-over sequence decodes on at once, its
         # outputs kept until its decode stream claims it (pdserve.engine.handover_states)
