@@ -222,8 +222,7 @@ class EngineHost:
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.thread.start()
-        if self.engine.runner.device.type == "cuda":  # the first call: plans cached per thread
-            self.thread.post(warm_up_long_attention, self.engine)
+        self.thread.post(warm_up_long_attention, self.engine)  # first: torch caches its plan per thread
 
     def stop(self) -> None:
         self.thread.stop()
