@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
+from pdserve.heap import freeze_startup_heap
 from pdserve.prefix_publishing import PrefixPublisher
 from pdserve.registry import HEARTBEAT_TTL_BEATS, InstanceInfo
 from pdserve.rpc import RpcServer, join_host_port
@@ -121,6 +122,8 @@ async def run_service(
     try:
         await registration.start()
         log.info("%s %s serving on %s", roles, config.instance_id, addresses)
+        if config.freeze_heap:
+            freeze_startup_heap()
         if on_ready is not None:
             on_ready(addresses)
         await stop.wait()

@@ -65,6 +65,9 @@ class ServiceConfig:
     admission_timeout_s: float = 30.0
     # seconds between two stats lines in the log (pdserve.serving_stats); 0: none
     log_stats_interval_s: float = STATS_INTERVAL_S
+    # once serving, freeze the start-up heap out of garbage collection (pdserve.heap): the
+    # process's own entry sets it; services run inside a test process leave it off
+    freeze_heap: bool = False
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -113,6 +116,7 @@ def service_config_from_args(args: argparse.Namespace, role: str) -> ServiceConf
         redis_url=args.redis_url,
         log_stats_interval_s=0.0 if args.disable_log_stats else STATS_INTERVAL_S,
         engine_stuck_s=args.engine_stuck_timeout,
+        freeze_heap=True,
         **{k: v for k, v in optional.items() if v is not None},
     )
 

@@ -37,6 +37,9 @@ def test_pdserve_up_answers_a_chat_request(tmp_path, tiny_model_dir) -> None:
         served = httpx.get(f"{up.url}/metrics", timeout=10).text
         finished = f'finished_reason="{reply.choices[0].finish_reason}",model_name="{reply.model}"'
         assert f"pdserve:request_success_total{{{finished}}} 1.0" in served, served
+        # each serving process froze its start-up heap out of the collector's walk (pdserve.heap)
+        for process in ("router", "prefill-0", "decode-0"):
+            up.wait_for(rf"^\[{process}\] .* froze \d+ start-up objects", timeout=30)
     finally:
         assert up.stop() == 0, up.output()
     # made in that process, the tokenizer converted there: the session's seed-0 checkpoint, byte
