@@ -11,10 +11,13 @@ Two kinds of writes, each one pipelined round-trip:
     (at most `PUBLISHED_WAIT_S`) until a snapshot's keys are written: the decode role sends a
     request's last token after that, so the conversation's next turn, sent the moment the
     answer is in, finds the answer's entry;
-  - every key, once per heartbeat, with a TTL of three heartbeats: an evicted entry (or a
-    dead instance) drops out by itself, and the keys come back after a Redis restart.
+  - every key, once every FULL_WRITE_BEATS heartbeats, with a TTL of three such periods: an
+    evicted entry (or a dead instance) drops out by itself, and the keys come back after a
+    Redis restart. Not every beat: a full write is ~20-45 us of the event loop's Python a key,
+    and a 262K-token prompt alone leaves 4,096 keys (~0.1-0.2 s a write, the engine thread
+    waiting for the GIL meanwhile); the registry writes them in slices, the loop free between.
 With Redis away, a failed write is logged once and retried at the next beat only (no retry
-per step); the engine thread never notices.
+per step); when it answers again every key is written at once. The engine thread never notices.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pdserve.serving import EngineHost
 
 log = logging.getLogger("pdserve.serving")
 PUBLISHED_WAIT_S = 0.05  # the longest a last token waits for its entry's write (a slow Redis)
+FULL_WRITE_BEATS = 5  # every key is written again this often (in heartbeats), TTL 3 times that
 
 
 class PrefixPublisher:
@@ -87,7 +91,8 @@ class PrefixPublisher:
                 keys = [key for key in keys if key not in self._published]
             try:
                 if keys:
-                    await self.registry.set_prefix_owners(keys, self.instance_id, ttl_s=3 * self.interval_s)
+                    ttl_s = 3 * FULL_WRITE_BEATS * self.interval_s
+                    await self.registry.set_prefix_owners(keys, self.instance_id, ttl_s=ttl_s)
                 self._published = set(keys) if full else self._published | set(keys)
                 self._written = version
                 if self._failing:
@@ -99,8 +104,8 @@ class PrefixPublisher:
                 self._failing, full = True, True
             self._progress.set()
             self._progress = asyncio.Event()
-            if full:
-                next_full = now + self.interval_s
+            if full:  # while Redis fails: again at the next beat
+                next_full = now + self.interval_s * (1 if self._failing else FULL_WRITE_BEATS)
             await self._wait(next_full - time.monotonic(), beat_only=self._failing)
 
     async def _wait(self, timeout_s: float, beat_only: bool) -> None:

@@ -296,3 +296,31 @@ def test_prefix_owners(redis_url: str) -> None:
             assert await registry.prefix_owners(["aa", "cc"]) == {"aa": "prefill-0"}
 
     asyncio.run(main())
+
+
+def test_many_prefix_owners_are_written_in_slices_with_the_loop_free_between(redis_url: str) -> None:
+    """A full write of a long prompt's keys (a 262K-token prompt leaves 4,096) goes in pipelines
+    of PREFIX_WRITE_SLICE keys: every key lands, and the loop is never held for long: one
+    pipeline held it for about half the write (building it, then reading its answers)."""
+
+    async def main() -> None:
+        async with InstanceRegistry(redis_url, "t4") as registry:
+            hashes = [f"{i:032x}" for i in range(4096)]
+            turns: list[float] = []
+
+            async def other_task() -> None:  # a token stream's turns on the loop
+                while True:
+                    turns.append(time.perf_counter())
+                    await asyncio.sleep(0)
+
+            ticking = asyncio.create_task(other_task())
+            await asyncio.sleep(0)
+            start = time.perf_counter()
+            await registry.set_prefix_owners(hashes, "prefill-0", ttl_s=30)
+            took = time.perf_counter() - start
+            ticking.cancel()
+            held = max(b - a for a, b in zip(turns, turns[1:], strict=False))
+            assert await registry.prefix_owners(hashes) == dict.fromkeys(hashes, "prefill-0")
+            assert held < 0.2 * took, f"the loop was held {held * 1e3:.1f} ms of a {took * 1e3:.0f} ms write"
+
+    asyncio.run(main())
