@@ -51,6 +51,16 @@ KERNELS = {
         {"GATE_UP": True, **moe_tile(1 << 20, 256), "IEEE": False},
         8,
     ),
+    **{
+        f"moe_{'gate_up' if gate_up else 'down'}_prefill_tiers{tiers}": (
+            cuda_moe._moe_gemm_kernel,
+            MOE,
+            {"GATE_UP": gate_up, **moe_tile(1 << 20, 256), "TIERS": tiers, "IEEE": False},
+            8,
+        )
+        for gate_up in (True, False)
+        for tiers in (1, 2)
+    },
     "moe_down_decode": (
         cuda_moe._moe_gemm_kernel,
         MOE,

@@ -118,6 +118,18 @@ def check_moe(gen: torch.Generator) -> None:
             got = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, reduce)
             want = fused_moe_reference(x, w13, w2, weights, ids, reduce)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # an expert's last block of 64 rows holding > 32, 17-32 and <= 16 pairs (a full tile, a half
+    # and a quarter with TIERS 2): experts 0-3 get 70, 40, 20 and 9 of 139 pairs, the rest one each
+    loads = [70, 40, 20, 9] + [1] * 12
+    flat = torch.cat([torch.full((n,), e) for e, n in enumerate(loads)])
+    ids = flat[torch.randperm(flat.numel(), generator=gen)].view(-1, 1)
+    x = torch.randn(ids.shape[0], hidden, generator=gen)
+    weights = torch.rand(ids.shape, generator=gen)
+    want = fused_moe_reference(x, w13, w2, weights, ids)
+    for tiers in (0, 1, 2):
+        cfg = dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=16, GROUP_M=4, TIERS=tiers)
+        got = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=cfg)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def check_norms(gen: torch.Generator) -> None:

@@ -22,7 +22,7 @@ from pdserve.ops import cuda_moe
 from pdserve.ops.bench_ops import BF16_FLOPS, HIDDEN, INTER, TOPK, E, rand
 
 TILES = [
-    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=s)
+    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, TIERS=0, num_warps=w, num_stages=s)
     for m, n, k, g, w, s in [
         *itertools.product((64, 128), (64, 128), (64,), (0,), (4, 8), (3, 4)),
         (64, 64, 128, 0, 4, 3),
@@ -32,12 +32,18 @@ TILES = [
         *itertools.product((64,), (64, 128), (64,), (4, 16), (4,), (3,)),
     ]
 ]
+# an expert's last block, mostly padding, on a tile of half (TIERS 1) or a quarter (2) of the rows
+TILES += [
+    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=64, GROUP_M=g, TIERS=t, num_warps=w, num_stages=3)
+    for m, n, g, w in [(128, 128, 16, 8), (64, 64, 16, 4)]
+    for t in (1, 2)
+]
 
 
 # decode steps (4-64 tokens: one or two rows an expert): BLOCK_M 16, weight-read bound; each GEMM's
 # tile swept with the other's at its default
 DECODE_TILES = [
-    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=0, num_warps=w, num_stages=s)
+    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=0, TIERS=0, num_warps=w, num_stages=s)
     for n, k, w, s in [
         *itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4)),
         (64, 128, 2, 3), (64, 128, 8, 3), (32, 256, 2, 4), (128, 128, 8, 4),
@@ -70,32 +76,45 @@ def sweep_decode(tokens: int) -> None:
             print(f"  {ms * 1e3:9.1f} us  {name}")
 
 
-def sweep(tokens: int) -> list[tuple[float, str]]:
+def sweep(tokens: int, tiles: list[dict[str, int]] = TILES, skew: float = 0.0) -> list[tuple[float, str]]:
+    """Every tile of `tiles` (and `_grouped_mm`) at T tokens; `skew` > 0 routes unevenly (expert e's
+    logits shifted by skew * e / E, as trained routers favour some experts), 0 uniformly."""
     torch.manual_seed(tokens)
     w13, w2 = rand(E, 2 * INTER, HIDDEN) * 0.02, rand(E, HIDDEN, INTER) * 0.04
     x = rand(tokens, HIDDEN)
-    weights, ids = torch.randn(tokens, E, device="cuda").softmax(-1).topk(TOPK, dim=-1)
+    logits = torch.randn(tokens, E, device="cuda") + skew * torch.arange(E, device="cuda") / E
+    weights, ids = logits.softmax(-1).topk(TOPK, dim=-1)
     weights = weights.to(torch.bfloat16)
     flops = tokens * TOPK * 3 * HIDDEN * INTER * 2
     want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
     rows = []
     default = cuda_moe._block_config(tokens * TOPK, E)
-    for cfg in [None, *TILES]:
+    for cfg in [None, *tiles]:
         name = "default " + _name(default) if cfg is None else _name(cfg)
         run = lambda c=cfg: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=c)  # noqa: E731
         if (timed := _timed(run, want, f"T={tokens} {name}")) is None:
             continue
         ms, err = timed
         rows.append((ms, f"{name}  err {err:.1e}"))
-    ms = do_bench(lambda: cuda_moe.fused_moe_grouped_mm(x, w13, w2, weights, ids), rep=50)
-    rows.append((ms, "torch._grouped_mm (sorted rows)"))
+    if tiles is TILES:
+        ms = do_bench(lambda: cuda_moe.fused_moe_grouped_mm(x, w13, w2, weights, ids), rep=50)
+        rows.append((ms, "torch._grouped_mm (sorted rows)"))
     rows.sort()
-    print(f"\nT={tokens} ({tokens * TOPK} pairs), {flops / 1e12:.2f} TFLOP:")
+    print(f"\nT={tokens} ({tokens * TOPK} pairs, skew {skew}), {flops / 1e12:.2f} TFLOP:")
     for ms, name in rows:
         tflops = flops / ms / 1e9
         share = 100 * tflops / (BF16_FLOPS / 1e12)
         print(f"  {ms * 1e3:9.1f} us  {tflops:6.1f} TFLOP/s ({share:4.1f}%)  {name}")
     return rows
+
+
+def sweep_tiers(tokens: int) -> None:
+    """The pass's own tile with TIERS 0, 1 and 2, routed evenly and skewed (each run twice, to see
+    the spread between runs of one tile)."""
+    default = cuda_moe._block_config(tokens * TOPK, E)
+    tiles = [dict(default, TIERS=t) for t in (0, 1, 2, 0, 1, 2)]
+    for skew in (0.0, 4.0):
+        sweep(tokens, tiles, skew)
 
 
 def sweep_down(tokens: int) -> None:
@@ -110,7 +129,7 @@ def sweep_down(tokens: int) -> None:
     want = cuda_moe.fused_moe_triton(x, w13, w2, weights, ids)
     rows = []
     for n, k, g, w, st in itertools.product((128, 256), (64, 128), (0, 4, 16), (8,), (3, 4)):
-        cfg = dict(BLOCK_M=default["BLOCK_M"], BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=st)
+        cfg = dict(default, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, num_warps=w, num_stages=st)
         run = lambda c=cfg: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids, cfg=default, cfg_down=c)  # noqa: E731
         if (timed := _timed(run, want, f"T={tokens} down {_name(cfg)}")) is None:
             continue
@@ -134,19 +153,20 @@ def _timed(run: Callable[[], torch.Tensor], want: torch.Tensor, label: str) -> t
 
 
 def _name(cfg: dict[str, int]) -> str:
-    return "m{BLOCK_M} n{BLOCK_N} k{BLOCK_K} g{GROUP_M} w{num_warps} s{num_stages}".format(**cfg)
+    return "m{BLOCK_M} n{BLOCK_N} k{BLOCK_K} g{GROUP_M} t{TIERS} w{num_warps} s{num_stages}".format(**cfg)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokens", nargs="*", type=int, default=[1024, 4096, 8192, 16384])
     parser.add_argument("--down", action="store_true", help="sweep the down GEMM's tile alone")
+    parser.add_argument("--tiers", action="store_true", help="the pass's tile with TIERS 0, 1, 2")
     args = parser.parse_args()
     for tokens in args.tokens:
         if tokens <= 64:
             sweep_decode(tokens)
         else:
-            sweep_down(tokens) if args.down else sweep(tokens)
+            sweep_down(tokens) if args.down else sweep_tiers(tokens) if args.tiers else sweep(tokens)
 
 
 if __name__ == "__main__":

@@ -18,19 +18,26 @@ import triton.language as tl
 from pdserve.ops.cuda_route import align_pairs, padded_rows, route_topk
 from pdserve.ops.cuda_route_align import ROUTE_ALIGN_TOKENS, route_align
 
+PREFILL_TIERS = 0  # the large tile's TIERS (`python -m pdserve.ops.bench_moe_tiles --tiers` times 0-2)
+
 
 @triton.jit(do_not_specialize=["num_blocks"])  # one build a tile config, whatever the pass size
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, pair_ptr, ids_ptr, weight_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_cm, top_k, num_blocks,
     GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, TIERS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One block of BLOCK_M padded rows (all one expert's: the expert of its first pair; a block whose
     first row is padding is unused) x BLOCK_N output columns.
 
     GATE_UP: rows gather x[pair // top_k]; out = silu(x W_gate^T) * (x W_up^T), stored by padded row.
     else: rows read the intermediate by padded row; out = weight[pair] * (h W_down^T), stored by pair.
+
+    TIERS t: a block whose rows past BLOCK_M / 2 are all padding (an expert's last block, its pairs
+    first) runs a tile of BLOCK_M / 2 rows, and with t = 2 one past BLOCK_M / 4 a tile of BLOCK_M / 4:
+    the padding rows of an expert's last block cost no MMA work (at 8,192 tokens a pass, ~256 rows
+    an expert, about half the experts spill a few rows into a third block of 128).
 
     Launch order (a 1-D grid): GROUP_M 0 runs every row block of one column block before the next
     column block; GROUP_M g runs g row blocks across all column blocks before the next g, so their
@@ -49,8 +56,33 @@ def _moe_gemm_kernel(
     first = tl.load(pair_ptr + pid_m * BLOCK_M)
     if first < 0:
         return
-    expert = tl.load(ids_ptr + first).to(tl.int64)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    args = (a_ptr, w_ptr, c_ptr, pair_ptr, weight_ptr, tl.load(ids_ptr + first).to(tl.int64), pid_m * BLOCK_M,
+            pid_n, N, K, stride_am, stride_we, stride_wn, stride_cm, top_k)  # fmt: skip
+    if TIERS == 0:
+        _moe_tile(*args, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    elif TIERS == 1:
+        if tl.load(pair_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < 0:
+            _moe_tile(*args, GATE_UP, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE)
+        else:
+            _moe_tile(*args, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    else:
+        if tl.load(pair_ptr + pid_m * BLOCK_M + BLOCK_M // 4) < 0:
+            _moe_tile(*args, GATE_UP, BLOCK_M // 4, BLOCK_N, BLOCK_K, IEEE)
+        elif tl.load(pair_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < 0:
+            _moe_tile(*args, GATE_UP, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE)
+        else:
+            _moe_tile(*args, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+
+
+@triton.jit
+def _moe_tile(
+    a_ptr, w_ptr, c_ptr, pair_ptr, weight_ptr, expert, first_row, pid_n,
+    N, K, stride_am, stride_we, stride_wn, stride_cm, top_k,
+    GATE_UP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """`_moe_gemm_kernel`'s work on the ROWS padded rows from `first_row`, all `expert`'s."""
+    offs_p = first_row + tl.arange(0, ROWS)
     pairs = tl.load(pair_ptr + offs_p)
     valid = pairs >= 0
     if GATE_UP:
@@ -62,11 +94,11 @@ def _moe_gemm_kernel(
         j = tl.arange(0, 2 * BLOCK_N)
         col = pid_n * BLOCK_N + j % BLOCK_N
         w_rows = col + j // BLOCK_N * N
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
+        acc = tl.zeros([ROWS, 2 * BLOCK_N], tl.float32)
     else:
         col = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = col
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
     for k0 in range(0, K, BLOCK_K):
@@ -82,7 +114,7 @@ def _moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     if GATE_UP:
-        gate, up = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+        gate, up = acc.reshape(ROWS, 2, BLOCK_N).permute(0, 2, 1).split()
         # round gate and up to the activation dtype first, as the unfused F.linear calls do
         gate = gate.to(c_ptr.dtype.element_ty).to(tl.float32)
         up = up.to(c_ptr.dtype.element_ty).to(tl.float32)
@@ -96,14 +128,16 @@ def _moe_gemm_kernel(
 
 
 def _block_config(num_pairs: int, num_experts: int) -> dict[str, int]:
-    """Tile sizes: small row blocks when experts get a few rows each (decode), large ones in prefill."""
+    """Tile sizes: small row blocks when experts get a few rows each (decode), large ones in prefill
+    (TIERS: `_moe_gemm_kernel`'s smaller tiles for an expert's last, mostly padding block)."""
     if num_pairs <= 4 * num_experts:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=0, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=0, TIERS=0, num_warps=4, num_stages=3)
     if num_pairs >= 128 * num_experts:  # compute-bound: 4,096 tokens -11%, 16,384 -19% (H200);
         # grouped launch order: 8,192 tokens 1.65 -> 1.36 ms, 16,384 2.87 -> 2.49 ms (H100)
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3)
+        tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, TIERS=PREFILL_TIERS)
+        return dict(tile, num_warps=8, num_stages=3)
     # grouped launch order: 1,024 tokens 892 -> 859 us, 2,048 836 -> 736 us (H100)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=16, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=16, TIERS=0, num_warps=4, num_stages=3)
 
 
 def pairs_by_sort(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
@@ -163,14 +197,14 @@ def fused_moe_triton(
     _moe_gemm_kernel[(num_blocks * triton.cdiv(inter, block_n),)](
         x, w13, hidden_act, pair_of_row, ids, weights,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), hidden_act.stride(0), top_k, num_blocks,
-        GATE_UP=True, IEEE=ieee, **{"GROUP_M": 0, **cfg},
+        GATE_UP=True, IEEE=ieee, **{"GROUP_M": 0, "TIERS": 0, **cfg},
     )  # fmt: skip
     per_pair = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(num_blocks * triton.cdiv(hidden, cfg_down["BLOCK_N"]),)](
         hidden_act, w2, per_pair, pair_of_row, ids, weights,
         hidden, inter, hidden_act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), top_k,
         num_blocks,
-        GATE_UP=False, IEEE=ieee, **{"GROUP_M": 0, **cfg_down},
+        GATE_UP=False, IEEE=ieee, **{"GROUP_M": 0, "TIERS": 0, **cfg_down},
     )  # fmt: skip
     per_pair = per_pair.view(num_tokens, top_k, hidden)
     return per_pair.sum(dim=1, dtype=torch.float32).to(x.dtype) if reduce else per_pair
