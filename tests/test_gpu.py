@@ -106,6 +106,31 @@ def test_cuda_prefix_cache_matches_uncached(tiny_model_dir) -> None:
     assert_no_leaks(cached.engine)
 
 
+def test_cuda_host_tier_hit_matches_uncached(tiny_model_dir) -> None:
+    """Entries evicted to the host tier on the GPU (copied out on the tier's copy stream while
+    the next prompts take their device pages and checkpoints at once) come back as they were:
+    follow-ups restored from the host tier, alone and packed, give the uncached logits."""
+    kwargs = {**CUDA_FP32, "max_num_seqs": 4}
+    plain = LLM(str(tiny_model_dir), enable_prefix_caching=False, **kwargs)
+    cached = LLM(str(tiny_model_dir), enable_prefix_caching=True, num_prefix_checkpoints=3, **kwargs)
+    cache = cached.engine.prefix_cache
+    cache.configure_host_tier(64 << 20)
+    firsts = random_prompts((140, 150, 160, 170, 180), seed=51)
+    for prompt in firsts:  # two entries each: the device holds three, the others go to the host
+        cached.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    on_host = {e.num_tokens for e in cache.entries.values() if e.kind == "end" and e.tier == "host"}
+    assert {140, 150} <= on_host, on_host
+    more = random_prompts((20, 25), seed=52)
+    turns = [firsts[0] + more[0], firsts[1] + more[1]]
+    before = cache.stats.hit_tokens["host"]
+    for batch in ([turns[0]], turns):
+        ref, ours = first_logits(plain, batch), first_logits(cached, batch)
+        assert ((ours - ref).norm() / ref.norm()).item() < 2e-2
+    assert cache.stats.hit_tokens["host"] - before >= 140 + 150
+    cache.clear()
+    assert_no_leaks(cached.engine)
+
+
 @pytest.mark.parametrize("scan", ["recurrent", "chunked"])
 def test_cuda_checkpoints_packed_equal_alone(
     tiny_model_dir, scan: str, monkeypatch: pytest.MonkeyPatch

@@ -178,3 +178,29 @@ def test_host_tier_store_does_not_wait_for_the_stream() -> None:
     assert queued < 0.05 < waited, (queued, waited)
     assert torch.equal(tier.recurrent[host_ck], want)
     tier.free(host_pages, host_ck)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_tier_store_goes_out_beside_the_current_stream() -> None:
+    """A store's copies to the host run on the tier's copy stream: with 200 ms of work queued
+    there ahead of them, the current stream's next work (a pass overwriting the stored pages and
+    slot at once) is not held behind them, the host still gets what the device held at the store,
+    and a load of the entry waits for it."""
+    tier, kv, states = host_tier_of("cuda")
+    fill_random(kv, states)
+    want = (kv.kv[:, :, [0, 1]].clone(), states.conv[:, 0].clone(), states.recurrent[:, 0].clone())
+    torch.cuda.synchronize()
+    with torch.cuda.stream(tier._copy_stream):
+        torch.cuda._sleep(int(200e-3 * 1.5e9))  # ~200 ms of spinning at ~1.5 GHz
+    start = time.perf_counter()
+    stored = tier.store([0, 1], 0)
+    fill_random(kv, states)
+    torch.cuda.current_stream().synchronize()
+    current = time.perf_counter() - start
+    tier.load(*stored, [2, 3], 1)
+    got = (kv.kv[:, :, [2, 3]], states.conv[:, 1], states.recurrent[:, 1])
+    torch.cuda.current_stream().synchronize()
+    assert current < 0.1 < time.perf_counter() - start, current
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

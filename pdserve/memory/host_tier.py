@@ -13,19 +13,26 @@ gather of a whole long prompt's entry (a 40K-token prefix: ~800 MiB of KV, twice
 and the unit-major copy) asked the caching allocator for that much at once on a device filled to
 its KV pool, where a failed cudaMalloc frees the cache and retries, waiting for the device.
 
-Copies are stream-ordered: on a GPU they go out (device -> pinned host) and come back (pinned
-host -> device) with `non_blocking=True` on the engine's stream, after the passes that wrote
-the memory and before those that read it again, so the host thread never waits on them. That
-needs the host side contiguous: a device unit spans every layer (strided), and torch copies a
-strided unit through a temporary in the destination's layout, which on the host would be
-pageable memory and a synchronous copy (it held the engine thread 22% of a c=32 run on the
-H200 when these pools were layer-major). On a CPU they are plain copies (the same code path,
-with a small pool).
+Copies are stream-ordered, so the host thread never waits on them. On a GPU an entry goes out
+in two steps: on the engine's stream (after the passes that wrote it) its units are gathered
+into device snapshots, unit-major; on a copy stream of the tier's own the snapshots go to pinned
+host memory (`non_blocking`), beside the engine's next passes: over PCIe a 1K-token entry takes
+~1.5 ms, and a c=32 wave evicts 7-9 of them a pass, which on the engine's stream added 10-14 ms
+to each pass (session 28's step log). The copy stream first waits for the engine's stream (a
+load still reading host pages that a store now reuses), and a load waits for the copy stream
+(its entry may still be on its way out). An entry of more than one staging piece, or one whose
+snapshots would take the device memory held by stores on their way past MAX_ASIDE_BYTES, goes
+out in order on the engine's stream as before (after the copy stream). The host side is
+contiguous: a device unit spans every layer (strided), and torch copies a strided unit through
+a temporary in the destination's layout, which on the host would be pageable memory and a
+synchronous copy (it held the engine thread 22% of a c=32 run on the H200 when these pools were
+layer-major). On a CPU they are plain copies in order (the same code path, with a small pool).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 import torch
 
@@ -34,6 +41,7 @@ from pdserve.memory.state_pool import GdnStatePool
 from pdserve.pinned import to_device
 
 STAGING_BYTES = 64 << 20  # device memory one piece of a store or load gathers through
+MAX_ASIDE_BYTES = 1 << 30  # device snapshots of stores on their way out on the copy stream
 
 
 class HostTier:
@@ -57,6 +65,9 @@ class HostTier:
         self.staging_pages = max(1, STAGING_BYTES // page_bytes)  # pages a piece of a store or load
         self._free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
         self._free_pages = list(range(num_pages))  # a heap, lowest first: an entry's pages tend to run
+        device = kv_pool.kv.device
+        self._copy_stream = torch.cuda.Stream(device) if pin else None  # stores go out on it
+        self._aside_bytes: deque[tuple[torch.cuda.Event, int]] = deque()  # (its last copy's end, bytes)
 
     @staticmethod
     def entry_bytes(kv_pool: KvPagePool, states: GdnStatePool, typical_tokens: int = 2048) -> int:
@@ -83,19 +94,54 @@ class HostTier:
         """Copy device pages `pages` and state slot `slot` out; their host ids (`fits` first)."""
         host_pages = [heapq.heappop(self._free_pages) for _ in pages]
         host_ck = self._free_checkpoints.pop()
-        pinned = self.kv.is_pinned()
+        aside = self._copy_stream is not None and self._aside(pages)
+        if self._copy_stream is not None and not aside:  # after the stores still on their way
+            torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
         for lo in range(0, len(pages), self.staging_pages):  # a gather into unit-major order a piece,
             piece = slice(lo, lo + self.staging_pages)  # then one copy per run of its host pages
             units = self.kv_pool.kv.index_select(2, self._index(pages[piece])).movedim(2, 0).contiguous()
-            for at, n, first in _runs(host_pages[piece]):
-                self.kv[first : first + n].copy_(units[at : at + n], non_blocking=pinned)
-        self.conv[host_ck].copy_(self.states.conv[:, slot], non_blocking=pinned)
-        self.recurrent[host_ck].copy_(self.states.recurrent[:, slot], non_blocking=pinned)
+            runs = _runs(host_pages[piece])
+            self._send([(self.kv[first : first + n], units[at : at + n]) for at, n, first in runs], aside)
+        self._send(
+            [
+                (host[host_ck], device[:, slot].clone(memory_format=torch.contiguous_format))
+                for host, device in ((self.conv, self.states.conv), (self.recurrent, self.states.recurrent))
+            ],
+            aside,
+        )
         return host_pages, host_ck
+
+    def _aside(self, pages: list[int]) -> bool:
+        """Whether a store of `pages` goes out on the copy stream: one staging piece, and the
+        snapshots still on their way (each held until its copy ends) within MAX_ASIDE_BYTES."""
+        while self._aside_bytes and self._aside_bytes[0][0].query():
+            self._aside_bytes.popleft()
+        nbytes = len(pages) * _unit_bytes(self.kv_pool.kv, 2) + self.entry_bytes(self.kv_pool, self.states, 0)
+        fits = sum(n for _, n in self._aside_bytes) + nbytes <= MAX_ASIDE_BYTES
+        if len(pages) > self.staging_pages or not fits:
+            return False
+        self._aside_bytes.append((torch.cuda.Event(), nbytes))
+        return True
+
+    def _send(self, moves: list[tuple[torch.Tensor, torch.Tensor]], aside: bool) -> None:
+        """Each device snapshot to its host destination: in order on the current stream, or
+        (`aside`) on the copy stream, after what the current stream queued so far."""
+        if not aside:
+            for host, device in moves:
+                host.copy_(device, non_blocking=self.kv.is_pinned())
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self._copy_stream.device))
+        with torch.cuda.stream(self._copy_stream):
+            for host, device in moves:
+                host.copy_(device, non_blocking=True)
+                device.record_stream(self._copy_stream)  # its memory is not reused before the copy
+            self._aside_bytes[-1][0].record()  # the store's last copy so far
 
     def load(self, host_pages: list[int], host_ck: int, pages: list[int], slot: int) -> None:
         """Copy an entry back into device pages `pages` and state slot `slot`."""
         pinned = self.kv.is_pinned()
+        if self._copy_stream is not None:  # the entry (or a piece of it) may still be going out
+            torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
         for lo in range(0, len(pages), self.staging_pages):  # a piece: one copy per run of its host
             piece = slice(lo, lo + self.staging_pages)  # pages into a unit-major buffer, one scatter
             units = torch.empty(
