@@ -1,10 +1,12 @@
 """Profile one eager prefill pass at the full Qwen3.6-35B-A3B shape (random bf16 weights):
 `python -m pdserve.ops.bench_prefill_step 1x1024 4x1024 8x1024 1x8192`.
 
-Each argument `PxL[@S][+C]` is a pass of `P` prompts of `L` new tokens, each saving a checkpoint
-after `S` of them (a chat prompt's resume point) and each after `C` tokens of cached context (the
-KV pages it attends to hold whatever the pool held): a chat turn's pass is `30x271@267+2200`, so
-`30x271 30x271@267 30x271+2200 30x271@267+2200` beside `4x2048` part its cost. After two
+Each argument `PxL[@S][+C][~D]` is a pass of `P` prompts of `L` new tokens, each saving a
+checkpoint after `S` of them (a chat prompt's resume point) and each after `C` tokens of cached
+context (the KV pages it attends to hold whatever the pool held), with `D` decoding sequences
+(one token after DECODE_CONTEXT) beside them: a chat turn's pass is `30x271@267+2200`, so
+`30x271 30x271@267 30x271+2200 30x271@267+2200` beside `4x2048` part its cost, and a c=32
+wave's second pass `8x1024~7` against `8x1024` what its decode rows cost. After two
 untimed runs (Triton compiles and autotunes there), prints the wall time of the pass (to its
 logits on the host), the GPU kernel time inside it, the host-device syncs it makes, and
 torch.profiler's kernels by time: the pass's wall minus its kernel time is what the GPU waited
@@ -37,49 +39,66 @@ from pdserve.model.mid_pass_saves import MidPassSaves
 from pdserve.ops.bench_step import append_json_lines
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+DECODE_CONTEXT = 1100  # tokens before a decoding sequence's new one (a 1K-token cell's)
 
 
 @dataclass(frozen=True)
 class PassSpec:
-    """`PxL[@S][+C]`: P prompts of L new tokens, saving after S, after C cached tokens each."""
+    """`PxL[@S][+C][~D]`: P prompts of L new tokens, saving after S, after C cached tokens each,
+    beside D decoding sequences."""
 
     prompts: int
     length: int
     save_at: int = 0  # 0: no checkpoint inside the pass
     context: int = 0
+    decoding: int = 0
 
     @staticmethod
     def parse(text: str) -> PassSpec:
+        text, _, decoding = text.partition("~")
         size, _, context = text.partition("+")
         size, _, save = size.partition("@")
         prompts, length = (int(x) for x in size.split("x"))
-        spec = PassSpec(prompts, length, int(save or 0), int(context or 0))
-        if not 0 <= spec.save_at < spec.length or min(prompts, length) < 1 or spec.context < 0:
-            raise ValueError(f"{text}: want PxL[@S][+C] with P, L >= 1, 0 < S < L, C >= 0")
+        spec = PassSpec(prompts, length, int(save or 0), int(context or 0), int(decoding or 0))
+        if (
+            not 0 <= spec.save_at < spec.length
+            or min(prompts, length) < 1
+            or min(spec.context, spec.decoding) < 0
+        ):  # noqa: E501
+            raise ValueError(f"{text}: want PxL[@S][+C][~D] with P, L >= 1, 0 < S < L, C, D >= 0")
         return spec
+
+    @property
+    def seqs(self) -> int:
+        return self.prompts + self.decoding
+
+    @property
+    def tokens(self) -> int:
+        return self.prompts * self.length + self.decoding
 
     def __str__(self) -> str:
         save = f", saving after {self.save_at}" if self.save_at else ""
-        return (
-            f"{self.prompts} x {self.length}{save}{f', after {self.context} cached' if self.context else ''}"
-        )
+        decoding = f" + {self.decoding} decoding" if self.decoding else ""
+        cached = f", after {self.context} cached" if self.context else ""
+        return f"{self.prompts} x {self.length}{save}{cached}{decoding}"
 
 
 def prefill_batch(runner: ModelRunner, spec: PassSpec) -> tuple[ForwardBatch, list, list]:
     """A pass as `spec` says, and the KV pages and state slots (checkpoints too) it holds."""
     kv, states = runner.kv_pool, runner.state_pool
-    prompts, length, context = spec.prompts, spec.length, spec.context
+    prompts, length, context, decoding = spec.prompts, spec.length, spec.context, spec.decoding
     gen = torch.Generator().manual_seed(prompts * length)
     ids = torch.randint(0, 200_000, (prompts, length), generator=gen).tolist()
-    tables = [kv.allocate(kv.pages_for(context + length)) for _ in range(prompts)]
-    slots = [states.allocate() for _ in range(prompts)]
+    ids += torch.randint(0, 200_000, (decoding, 1), generator=gen).tolist()
+    starts = [context] * prompts + [DECODE_CONTEXT] * decoding
+    tables = [kv.allocate(kv.pages_for(start + len(row))) for start, row in zip(starts, ids, strict=True)]
+    slots = [states.allocate() for _ in range(spec.seqs)]
     checkpoints = [states.allocate() for _ in range(prompts)] if spec.save_at else []
-    batch = ForwardBatch.build(
-        ids, [context] * prompts, tables, slots, runner.config.page_size, runner.device
-    )
+    batch = ForwardBatch.build(ids, starts, tables, slots, runner.config.page_size, runner.device)
     saves = [[(spec.save_at, ck)] for ck in checkpoints] or [[]] * prompts
     history = runner.config.model_config.linear_conv_kernel_dim - 1  # the engine's scan plan
-    batch.saves = MidPassSaves.build([length] * prompts, slots, saves, history, runner.device)
+    lengths = [length] * prompts + [1] * decoding
+    batch.saves = MidPassSaves.build(lengths, slots, saves + [[]] * decoding, history, runner.device)
     return batch, tables, slots + checkpoints
 
 
@@ -150,7 +169,7 @@ def profile(runner: ModelRunner, spec: PassSpec, show_host: bool = False) -> dic
             kernels.append((e.key, device_us / 1e3, e.count))
     kernels.sort(key=lambda r: -r[1])
     kernel_ms = sum(k[1] for k in kernels)
-    tokens = prompts * length
+    tokens = spec.tokens
     rate = tokens / wall_ms * 1e3
     pieces = len(batch.saves.pieces) if batch.saves else "chunked"
     print(
@@ -171,6 +190,7 @@ def profile(runner: ModelRunner, spec: PassSpec, show_host: bool = False) -> dic
         runner.state_pool.free(slot)
     top = [(n[:120], t, c) for n, t, c in kernels[:30]]
     return {"prompts": prompts, "length": length, "save_at": spec.save_at, "context": spec.context,
+            "decoding": spec.decoding,
             "wall_ms": wall_ms, "kernel_ms": kernel_ms,
             "launches": launches, "syncs": syncs, "top": top}  # fmt: skip
 
@@ -184,25 +204,26 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="replay graphable passes from prefill graphs")
     args = parser.parse_args()
     specs = [PassSpec.parse(p) for p in args.passes]
-    shapes = [(spec.prompts, spec.length) for spec in specs]
+
     if args.align_chunk is not None:
         from pdserve.ops import cuda_route
 
         cuda_route.ALIGN_CHUNK = args.align_chunk
-    longest, most = max(spec.context + spec.length for spec in specs), max(p for p, _ in shapes)
+    longest = max(max(spec.context + spec.length, DECODE_CONTEXT + 1) for spec in specs)
+    most = max(spec.seqs for spec in specs)
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text(json.dumps(QWEN36_35B_A3B))
         start = time.perf_counter()
         config = EngineConfig(model=tmp, device="cuda", load_format="dummy", max_num_seqs=most,
                               max_model_len=longest + 64, enforce_eager=True, num_state_slots=2 * most + 2,
                               num_kv_pages=most * (longest // 16 + 8) + 1,
-                              max_num_batched_tokens=max(p * n for p, n in shapes))  # fmt: skip
+                              max_num_batched_tokens=max(spec.tokens for spec in specs))  # fmt: skip
         runner = ModelRunner(config)
         if args.graphs:  # graphs of these passes' shapes only (the engine captures every shape)
             kv, states = runner.kv_pool, runner.state_pool
             graphs = PrefillGraphs(runner.model, kv.allocate(1)[0], states.allocate(), config.page_size,
                                    kv.pages_for(config.max_model_len))  # fmt: skip
-            wanted = {shape_for(p * n, p) for p, n in shapes if p * n <= MAX_TOKENS}
+            wanted = {shape_for(spec.tokens, spec.seqs) for spec in specs if spec.tokens <= MAX_TOKENS}
             graphs.capture(sorted(wanted))
             runner.prefill_graphs = graphs
         print(f"model and pools ready in {time.perf_counter() - start:.0f} s", flush=True)
