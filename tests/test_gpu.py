@@ -7,6 +7,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.check import checkpoint_differences, checkpoint_states
+from pdserve.memory import host_tier
 from pdserve.model import mid_pass_saves
 from tests.helpers import assert_no_leaks, random_prompts, transformers_torch_gdn
 
@@ -106,10 +107,15 @@ def test_cuda_prefix_cache_matches_uncached(tiny_model_dir) -> None:
     assert_no_leaks(cached.engine)
 
 
-def test_cuda_host_tier_hit_matches_uncached(tiny_model_dir) -> None:
-    """Entries evicted to the host tier on the GPU (copied out on the tier's copy stream while
-    the next prompts take their device pages and checkpoints at once) come back as they were:
-    follow-ups restored from the host tier, alone and packed, give the uncached logits."""
+@pytest.mark.parametrize("aside", [False, True])
+def test_cuda_host_tier_hit_matches_uncached(
+    tiny_model_dir, aside: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries evicted to the host tier on the GPU (copied out in order on the engine's stream, or
+    on the tier's copy stream while the next prompts take their device pages and checkpoints at
+    once) come back as they were: follow-ups restored from there, alone and packed, give the
+    uncached logits."""
+    monkeypatch.setattr(host_tier, "MAX_ASIDE_BYTES", host_tier.ASIDE_BYTES_ON_GPU if aside else 0)
     kwargs = {**CUDA_FP32, "max_num_seqs": 4}
     plain = LLM(str(tiny_model_dir), enable_prefix_caching=False, **kwargs)
     cached = LLM(str(tiny_model_dir), enable_prefix_caching=True, num_prefix_checkpoints=3, **kwargs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.config import ModelConfig
-from pdserve.memory import GdnStatePool, HostTier, KvPagePool
+from pdserve.memory import GdnStatePool, HostTier, KvPagePool, host_tier
 
 CFG = ModelConfig(
     vocab_size=100,
@@ -182,11 +182,12 @@ def test_host_tier_store_does_not_wait_for_the_stream() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_host_tier_store_goes_out_beside_the_current_stream() -> None:
+def test_host_tier_store_goes_out_beside_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store's copies to the host run on the tier's copy stream: with 200 ms of work queued
     there ahead of them, the current stream's next work (a pass overwriting the stored pages and
     slot at once) is not held behind them, the host still gets what the device held at the store,
     and a load of the entry waits for it."""
+    monkeypatch.setattr(host_tier, "MAX_ASIDE_BYTES", host_tier.ASIDE_BYTES_ON_GPU)
     tier, kv, states = host_tier_of("cuda")
     fill_random(kv, states)
     want = (kv.kv[:, :, [0, 1]].clone(), states.conv[:, 0].clone(), states.recurrent[:, 0].clone())
