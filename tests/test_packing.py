@@ -53,6 +53,21 @@ def test_chunked_prefill_equals_unchunked(engine: LLMEngine) -> None:
         assert_same(a, b, f"prompt of {len(prompt)} tokens chunked by 24", rtol=1e-4)
 
 
+def test_a_short_tail_rides_in_the_pass_past_the_budget(engine: LLMEngine) -> None:
+    """Under a 64-token budget a pass takes a prompt's tail of up to 4 tokens (1/16) past it, not
+    leaving it a pass of its own: two prompts of 34 share one pass of 68; one of 35 more takes two;
+    a 196-token prompt is chunked 64, 64, 68, one of 200 64, 64, 64, 8 (a tail of 8 is past it).
+    Every prompt's states equal those it gets alone."""
+    shares = [((34, 34), 1), ((35, 34), 2), ((196,), 3), ((200,), 4)]
+    for seed, (lengths, passes) in enumerate(shares):
+        prompts = random_prompts(lengths, seed=10 + seed)
+        states = prefill_states(engine, prompts, token_budget=64)
+        assert states[0].passes == passes, (lengths, states[0].passes)
+        for prompt, together in zip(prompts, states, strict=True):
+            (alone,) = prefill_states(engine, [prompt], token_budget=4096)
+            assert_same(together, alone, f"prompt of {len(prompt)} tokens", rtol=1e-4)
+
+
 def test_preemption_recomputes_exactly(tiny_model_dir) -> None:
     """A KV pool too small for every request forces preemption; greedy outputs are unchanged."""
     prompts = random_prompts((60, 50, 40, 30), seed=4)

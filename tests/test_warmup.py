@@ -72,8 +72,10 @@ def test_warm_up_meets_every_moe_tile_and_alignment_class(engine: LLMEngine) -> 
     """The MoE kernels' constexprs change with a pass's size (`_block_config`'s tiles; one
     alignment program, or chunks of `align_chunk` pairs): at the served shape (256 experts, 8 + the
     shared one a token) and the default budget, warm-up's own passes (all but follow-ups, which
-    prefill only their new turn) meet every class a pass of 1 to 8,192 tokens can be in."""
+    prefill only their new turn) meet every class a pass of 1 to 8,704 tokens can be in (8,192
+    and a short prompt's tail past it, `Scheduler._takes_tail`)."""
     from pdserve.bench import QWEN36_35B_A3B
+    from pdserve.engine.scheduler import TAIL_SHARE
     from pdserve.ops.cuda_moe import _block_config
     from pdserve.ops.cuda_route import MAX_ALIGN_PAIRS, align_chunk
 
@@ -91,7 +93,8 @@ def test_warm_up_meets_every_moe_tile_and_alignment_class(engine: LLMEngine) -> 
     follow_up = lambda a, b: len(a) == len(b) and all(y[: len(x)] == x for x, y in zip(a, b, strict=True))  # noqa: E731
     fresh = [p for before, p in zip([[]] + passes, passes, strict=False) if not follow_up(before, p)]
     met = {kernels_for(sum(map(len, p))) for p in fresh}
-    assert {kernels_for(t) for t in range(1, budget + 1)} <= met and len(met) >= 5
+    longest = budget + budget // TAIL_SHARE  # a pass may take a short tail past the budget
+    assert {kernels_for(t) for t in range(1, longest + 1)} <= met and len(met) >= 5
 
 
 def test_warm_up_runs_every_pass_and_leaves_nothing(
