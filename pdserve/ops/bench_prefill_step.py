@@ -64,7 +64,7 @@ class PassSpec:
             not 0 <= spec.save_at < spec.length
             or min(prompts, length) < 1
             or min(spec.context, spec.decoding) < 0
-        ):  # noqa: E501
+        ):
             raise ValueError(f"{text}: want PxL[@S][+C][~D] with P, L >= 1, 0 < S < L, C, D >= 0")
         return spec
 
