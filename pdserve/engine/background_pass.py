@@ -190,6 +190,14 @@ class BackgroundLane:
         self.host = BackgroundHostTime()  # the last step's host time on the passes
         self._stream: torch.cuda.Stream | None = None  # made at the first pass
 
+    def stream(self) -> torch.cuda.Stream | None:
+        """The passes' stream (made at the first call; None on a CPU or with the lane off).
+        Warm-up runs the long-prompt attention on it too: a green context is a CUDA context of
+        its own, into which kernels load at their first launch there."""
+        if self._stream is None and self.threshold:
+            self._stream = background_stream(self.runner.device, self.sms)
+        return self._stream
+
     def busy(self) -> bool:
         return self.current is not None or self.express is not None
 
@@ -220,9 +228,7 @@ class BackgroundLane:
         launched nothing (`alone`)."""
         began, self.host = time.perf_counter(), BackgroundHostTime()
         if item is not None:
-            if self._stream is None:
-                self._stream = background_stream(self.runner.device, self.sms)
-            started = BackgroundPass(self.runner, self.sampler, item, self._stream)
+            started = BackgroundPass(self.runner, self.sampler, item, self.stream())
             if self.current is None:
                 self.current = started
             else:

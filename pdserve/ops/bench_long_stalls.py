@@ -9,7 +9,8 @@ on the default stream, then again on a background stream (a CUDA green context's
 background pass): for each call the host time of the launch (what stalls the engine thread) and
 the whole call's time. A first-time cost seen on the green stream but not on the default stream
 is per CUDA context (kernels loaded lazily into the green context), not per shape. Then the last
-chunk of an odd length (`--context` - 8), the 262K prompt's case.
+chunk of an odd length (`--chunk` - 8), the 262K prompt's case. `--warm-green`: warm up on the
+green stream too, as the engine does since session 31.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--warm-green", action="store_true", help="warm up on the green stream too, as the engine")
     args = parser.parse_args()
     device = torch.device("cuda")
     pages = -(-args.context // PAGE)
@@ -56,8 +58,14 @@ def main() -> None:
     long_attention.warm_up(kv, HEADS, args.chunk)
     torch.cuda.synchronize()
     print(f"warm-up (default stream): {1e3 * (time.perf_counter() - began):.0f} ms")
-    sweep("default", kv, table, args.context, args.chunk)
     stream = background_stream(device, None)
+    if args.warm_green:
+        began = time.perf_counter()
+        with torch.cuda.stream(stream):
+            long_attention.warm_up(kv, HEADS, args.chunk)
+            stream.synchronize()
+        print(f"warm-up (green stream): {1e3 * (time.perf_counter() - began):.0f} ms")
+    sweep("default", kv, table, args.context, args.chunk)
     with torch.cuda.stream(stream):
         sweep("green", kv, table, args.context, args.chunk)
         odd = args.chunk - 8

@@ -26,6 +26,10 @@ import torch
 MIN_CHUNK = 1024  # a chunk of fewer new tokens keeps the paged kernel
 BACKEND = "cudnn"  # the prefix's full pieces on the GPU: "cudnn" or "flash" (torch's kernels with the lse)
 KEY_BLOCK = 16384  # the prefix's keys a kernel call takes (shapes that repeat: see long_chunk_attention)
+# the prefix pieces' queries are padded to a multiple of this many tokens: a chunk of any length
+# meets one of a few plans that warm-up built (a 262,136-token prompt's last chunk of 8,184 built
+# its own under traffic: a 51 ms stall of every stream, H100, session 31)
+PLAN_TOKENS = 1024
 
 
 def takes_split(num_tokens: int, context_before: int, split_from: int) -> bool:
@@ -95,13 +99,15 @@ def long_chunk_attention(
 
     cuDNN builds an execution plan for every new shape and stride (40-70 ms of host time each,
     measured on an H100), so only shapes that repeat go to it: the prefix's first KEY_BLOCK x n
-    keys, KEY_BLOCK at a time, each piece gathered into a [Hkv, KEY_BLOCK, D] tensor of its own.
+    keys, KEY_BLOCK at a time, each piece gathered into a [Hkv, KEY_BLOCK, D] tensor of its own,
+    the queries padded to a multiple of PLAN_TOKENS tokens (warm-up builds each of those plans).
     The rest of the prefix and the chunk's own keys (lengths that change from chunk to chunk)
     go to flash attention in one call, causal to the last key. The parts merge into a running
     softmax kept in the folded layout ([Hkv, T x G, D] fp32)."""
     num_tokens, heads, dim = q.shape
     kv_heads = kv_layer.shape[3]
     group = heads // kv_heads
+    rows = num_tokens * group
     pages = table.long()
     pieces = context_before // KEY_BLOCK
     first = pieces * KEY_BLOCK  # the tail: keys first.. (the prefix's rest, then the chunk's own)
@@ -109,10 +115,11 @@ def long_chunk_attention(
     o, lse = _tail(q, k, v, scale)
     acc = o.view(num_tokens, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim).float()
     acc_lse = lse.view(kv_heads, group, num_tokens).transpose(1, 2).reshape(kv_heads, -1)
-    folded = q.view(num_tokens, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
+    folded = _folded_queries(q, kv_heads, pieces > 0)
     for piece in range(pieces):
         k, v = (_gather(kv_layer[i], pages, piece * KEY_BLOCK, KEY_BLOCK) for i in (0, 1))
         o, lse = _attend(folded, k, v, scale, causal=False, backend=BACKEND)
+        o, lse = o[:, :, :rows], lse[:, :rows]  # the padding rows' results dropped
         total = torch.logaddexp(acc_lse, lse)
         acc.mul_((acc_lse - total).exp_()[..., None]).addcmul_(o[0], (lse - total).exp_()[..., None])
         acc_lse = total
@@ -124,13 +131,34 @@ def long_chunk_attention(
     )
 
 
+def _folded_queries(q: torch.Tensor, kv_heads: int, padded: bool) -> torch.Tensor:
+    """q [T, H, D] -> [1, Hkv, T x G, D] (each KV head's query heads as rows), with `padded` zero
+    rows up to a multiple of PLAN_TOKENS tokens."""
+    num_tokens, heads, dim = q.shape
+    group = heads // kv_heads
+    folded = q.view(num_tokens, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, -1, dim)
+    if not padded or num_tokens % PLAN_TOKENS == 0:
+        return folded
+    rows = plan_tokens(num_tokens) * group
+    out = folded.new_zeros(1, kv_heads, rows, dim)
+    out[:, :, : num_tokens * group] = folded
+    return out
+
+
+def plan_tokens(num_tokens: int) -> int:
+    """The query tokens a prefix piece's kernel call takes for a chunk of num_tokens."""
+    return -(-num_tokens // PLAN_TOKENS) * PLAN_TOKENS
+
+
 def warm_up(kv_layer: torch.Tensor, heads: int, chunk: int) -> None:
-    """Build the GPU kernels' plans of a chunk of `chunk` tokens over one full prefix piece
-    (cuDNN's first call took 0.2-1.7 s, each new shape 40-70 ms), on zeros. Nothing on a CPU."""
+    """Build the GPU kernels' plans of every chunk up to `chunk` tokens (each multiple of
+    PLAN_TOKENS from MIN_CHUNK's) over one full prefix piece, on zeros, on the current stream
+    (cuDNN's first call took 0.2-1.7 s, each new shape 40-70 ms). Nothing on a CPU."""
     if not kv_layer.is_cuda:
         return
     kv_heads, dim = kv_layer.shape[3], kv_layer.shape[4]
     like = {"dtype": kv_layer.dtype, "device": kv_layer.device}
-    q = torch.zeros(1, kv_heads, chunk * (heads // kv_heads), dim, **like)
     k = torch.zeros(1, kv_heads, KEY_BLOCK, dim, **like)
-    _attend(q, k, k, dim**-0.5, causal=False, backend=BACKEND)
+    for tokens in range(plan_tokens(MIN_CHUNK), plan_tokens(chunk) + 1, PLAN_TOKENS):
+        q = torch.zeros(1, kv_heads, tokens * (heads // kv_heads), dim, **like)
+        _attend(q, k, k, dim**-0.5, causal=False, backend=BACKEND)
