@@ -48,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--chunk", type=int, default=8192)
-    parser.add_argument("--warm-green", action="store_true", help="warm up on the green stream too, as the engine")
+    parser.add_argument("--warm-green", action="store_true", help="warm up on the green stream too")
     args = parser.parse_args()
     device = torch.device("cuda")
     pages = -(-args.context // PAGE)
