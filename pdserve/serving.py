@@ -31,7 +31,7 @@ from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.warmup import warm_up, warm_up_grammars, warm_up_long_attention
 from pdserve.ops import compile_watch
 from pdserve.registry import HEARTBEAT_S, InstanceRegistry
-from pdserve.serving_stats import STATS_INTERVAL_S, ServingStats
+from pdserve.serving_stats import STATS_INTERVAL_S, ServingStats, load_report
 
 if TYPE_CHECKING:
     from pdserve.prefix_publishing import PrefixPublisher
@@ -137,22 +137,6 @@ def engine_transfer_agent(
     if not nixl:
         return LocalCopyAgent(*args)
     return kvtransfer.TransferAgent(*args, timeout_s=config.transfer_timeout_s, bind_host=config.host)
-
-
-def load_report(engine: LLMEngine) -> dict:
-    """An instance's load as the registry publishes it (read on the engine thread)."""
-    s, runner = engine.scheduler, engine.runner
-    return {
-        "running": len(s.running),
-        "waiting": len(s.waiting),
-        "held": len(s.held),
-        "receiving": len(s.receiving),
-        "free_kv_pages": runner.kv_pool.num_free,
-        "free_state_slots": runner.state_pool.num_free,
-        "kv_pages": runner.kv_pool.num_pages - runner.reserved,
-        "state_slots": runner.state_pool.num_slots - runner.reserved,
-        "prefix_cache_pages": engine.prefix_cache.num_pages if engine.prefix_cache else 0,
-    }
 
 
 def start_logging() -> None:

@@ -4,7 +4,7 @@
     Running: 2 reqs, Waiting: 0 reqs, KV cache usage: 12.5%, Prefix cache hit rate: 40.0%
 
 (one line). Throughputs are over the interval since the last line; running, waiting and KV-cache
-use are the instance's load at the moment (pdserve.serving.load_report); the prefix-cache hit
+use are the instance's load at the moment (`load_report`); the prefix-cache hit
 rate (engines with the prefix cache only) is cached prompt tokens over prompt tokens of the last
 1,000 requests prefilled here. A role that hands requests over adds `Held` (prefill: states
 waiting to be pulled) and `Receiving` (decode: states being pulled) when they are not zero.
@@ -20,10 +20,29 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine
 
 STATS_INTERVAL_S = 10.0  # vLLM's
 RECENT_REQUESTS = 1000  # the prefix-cache hit rate's window (vLLM's)
+
+
+def load_report(engine: LLMEngine) -> dict:
+    """An instance's load as the registry publishes it (read on the engine thread)."""
+    s, runner = engine.scheduler, engine.runner
+    return {
+        "running": len(s.running),
+        "waiting": len(s.waiting),
+        "held": len(s.held),
+        "receiving": len(s.receiving),
+        "free_kv_pages": runner.kv_pool.num_free,
+        "free_state_slots": runner.state_pool.num_free,
+        "kv_pages": runner.kv_pool.num_pages - runner.reserved,
+        "state_slots": runner.state_pool.num_slots - runner.reserved,
+        "prefix_cache_pages": engine.prefix_cache.num_pages if engine.prefix_cache else 0,
+    }
 
 
 class Output(Protocol):  # the fields of pdserve.engine.llm_engine.RequestOutput read here

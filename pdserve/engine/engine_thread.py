@@ -21,12 +21,22 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.scheduler import describe_pass
+from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.step_log import StepLog
 from pdserve.ops import compile_watch
 
 logger = logging.getLogger(__name__)
 SLOW_STEP_S = 1.0  # a step this long is logged: no healthy step takes it
+
+
+def describe_pass(scheduled: list[ScheduledSeq]) -> str:
+    """One line on what a pass ran: its shape, for logs."""
+    chunks = [s.num_new_tokens for s in scheduled if s.num_new_tokens > 1]
+    saves = sum(len(s.saves) for s in scheduled)
+    return (
+        f"{len(scheduled) - len(chunks)} decoding, {len(chunks)} prefill chunks of "
+        f"{sum(chunks)} tokens (longest {max(chunks, default=0)}), {saves} checkpoints inside"
+    )
 
 
 class EngineThread:

@@ -49,16 +49,6 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
-def describe_pass(scheduled: list[ScheduledSeq]) -> str:
-    """One line on what a pass ran: its shape, for logs."""
-    chunks = [s.num_new_tokens for s in scheduled if s.num_new_tokens > 1]
-    saves = sum(len(s.saves) for s in scheduled)
-    return (
-        f"{len(scheduled) - len(chunks)} decoding, {len(chunks)} prefill chunks of "
-        f"{sum(chunks)} tokens (longest {max(chunks, default=0)}), {saves} checkpoints inside"
-    )
-
-
 class Scheduler(HandoverStates):
     def __init__(
         self,
