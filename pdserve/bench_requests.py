@@ -105,16 +105,21 @@ async def timed_request(
     prompt: list[int] | str,
     output_len: int,
     arrivals: list[float] | None = None,
+    encoded: bytes | None = None,
 ) -> RequestTiming | RequestFailure:
     """Send one streaming request and time it; whatever goes wrong is a RequestFailure.
     `arrivals`, when given, gets each text chunk's arrival time as it comes (a caller watching
-    the stream live)."""
-    body = request_body(endpoint, model, prompt, output_len)
+    the stream live). `encoded`: the body already as JSON bytes (`request_body` of the same
+    arguments), for a prompt too long to encode on the event loop while other streams are read."""
+    if encoded is None:
+        sent: dict = {"json": request_body(endpoint, model, prompt, output_len)}
+    else:
+        sent = {"content": encoded, "headers": {"Content-Type": "application/json"}}
     start = time.perf_counter()
     arrivals = [] if arrivals is None else arrivals
     usage: dict = {}
     try:
-        async with client.stream("POST", base_url.rstrip("/") + endpoint, json=body) as response:
+        async with client.stream("POST", base_url.rstrip("/") + endpoint, **sent) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 return RequestFailure(f"HTTP {response.status_code}: {one_line(text)}")
