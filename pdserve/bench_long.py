@@ -94,6 +94,41 @@ async def long_request(client: httpx.AsyncClient, args: argparse.Namespace, leng
     }
 
 
+ITL_BUCKET = "pdserve:inter_token_latency_seconds_bucket"
+TAIL_GAPS_S = (0.015, 0.02, 0.03)  # the shares of gaps above these, as the router and the client saw them
+
+
+async def router_itl_buckets(client: httpx.AsyncClient, url: str) -> dict[float, float]:
+    """The router's inter-token histogram (cumulative count by upper bound, summed over labels);
+    empty when the server has no such metric (not a pdserve router)."""
+    try:
+        text = (await client.get(url.rstrip("/") + "/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    counts: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(ITL_BUCKET):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def tail_shares(gaps: list[float], before: dict[float, float], after: dict[float, float]) -> dict:
+    """Of the gaps above each of TAIL_GAPS_S: the share the client saw, and the share the router
+    saw between the engine's token events in the same window (all its streams; the long request
+    has none while it prefills; the router's window runs on to the long request's end, a few
+    steps more). A client share above the router's is added after the router."""
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    shares = {}
+    for bound in TAIL_GAPS_S:
+        client = sum(g > bound for g in gaps) / max(1, len(gaps))
+        below = after.get(bound, 0.0) - before.get(bound, 0.0)
+        router = (total - below) / total if total and bound in after else None
+        shares[f"{1000 * bound:g}ms"] = {"client": client, "router": router}
+    return shares
+
+
 def itl_figures(gaps: list[float]) -> dict:
     p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
     return {"itl_p50_ms": 1000 * p50, "itl_p99_ms": 1000 * p99, "gaps": len(gaps)}
@@ -111,9 +146,12 @@ async def run_bench(args: argparse.Namespace) -> dict:
         baseline = itl_figures(log.gaps_ending_in(begin + args.baseline_s / 4, time.perf_counter()))
         longs = []
         for length in args.long:
+            buckets = await router_itl_buckets(client, args.url)
             result = await long_request(client, args, length, bodies[length])
             window = result.pop("sent"), result.pop("first_token")
-            result |= itl_figures(log.gaps_ending_in(*window))
+            gaps = log.gaps_ending_in(*window)
+            result |= itl_figures(gaps)
+            result["gaps_above"] = tail_shares(gaps, buckets, await router_itl_buckets(client, args.url))
             waits = log.first_token_waits(*window)
             result["stream_requests_sent"] = len(waits)
             result["stream_ttft_max_ms"] = 1000 * max(waits, default=0.0)
@@ -136,6 +174,11 @@ def report_line(r: dict) -> str:
         f"streams' ITL p50 {r['itl_p50_ms']:.1f} / p99 {r['itl_p99_ms']:.1f} ms "
         f"({r['itl_p99_over_baseline_p50']:.1f}x the baseline p50, {r['gaps']} gaps); "
         f"{r['stream_requests_sent']} short ones sent meanwhile, TTFT max {r['stream_ttft_max_ms']:.0f} ms"
+        + "".join(
+            f"; > {bound}: client {s['client']:.2%}"
+            + (f", router {s['router']:.2%}" if s["router"] is not None else "")
+            for bound, s in r.get("gaps_above", {}).items()
+        )
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pdserve.bench_long import StreamLog, add_arguments, run_bench
+from pdserve.bench_long import StreamLog, add_arguments, run_bench, tail_shares
 from tests.router_requests import MODEL
 
 pytest_plugins = ["tests.router_server"]
@@ -26,6 +26,19 @@ def test_first_token_waits_are_those_of_requests_sent_in_the_window() -> None:
     assert log.first_token_waits(1.0, 4.0) == [0.5]  # the one sent at 3.2 has no token yet
 
 
+def test_tail_shares_compare_the_client_with_the_router_histogram() -> None:
+    """Cumulative bucket counts before and after a window: 10 router gaps in it, 2 above 20 ms and
+    4 above 15 ms; the client saw 3 of 6 gaps above 15 ms, 1 above 20 and none above 30."""
+    before = {0.015: 5.0, 0.02: 7.0, 0.03: 9.0, float("inf"): 10.0}
+    after = {0.015: 11.0, 0.02: 15.0, 0.03: 17.0, float("inf"): 20.0}
+    gaps = [0.010, 0.012, 0.014, 0.016, 0.018, 0.025]
+    shares = tail_shares(gaps, before, after)
+    assert shares["15ms"] == {"client": 0.5, "router": 0.4}
+    assert shares["20ms"] == {"client": 1 / 6, "router": 0.2}
+    assert shares["30ms"] == {"client": 0.0, "router": 0.2}
+    assert tail_shares(gaps, {}, {})["20ms"]["router"] is None  # no such metric: the client's only
+
+
 def test_long_prompts_beside_short_streams(server: str) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -41,3 +54,5 @@ def test_long_prompts_beside_short_streams(server: str) -> None:
         assert r["error"] is None and 0 < r["ttft_s"] < 30
         assert r["prefill_tok_s"] == r["prompt_tokens"] / r["ttft_s"]
         assert {"stream_ttft_max_ms", "stream_requests_sent"} <= r.keys()
+        # the router's own inter-token histogram was read around the window
+        assert all(share["router"] is not None for share in r["gaps_above"].values())
