@@ -6,7 +6,9 @@ kernel is compute-bound (T x 8 x 3 x 2048 x 512 x 2 FLOPs). Each candidate tile 
 BLOCK_N, BLOCK_K, warps, stages) runs both GEMMs of the block at the Qwen3.6 shape, CUDA-event
 median (`triton.testing.do_bench`), checked against the default tiles' output; torch's
 `_grouped_mm` is timed beside them. Prints, per T, each tile's time and TFLOP/s, the best first.
-T <= 64 (`python -m pdserve.ops.bench_moe_tiles 4 16 32`): decode's tiles, each GEMM's swept apart.
+T <= 64 (`python -m pdserve.ops.bench_moe_tiles 4 16 32`): decode's tiles, each GEMM's swept apart;
+65 <= T < 1,024 (`... 128 256 512`): a short pass's, 16- to 64-row tiles (the default switches from
+16 to 64 rows above 4 pairs an expert, ~114 tokens).
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ DECODE_TILES = [
     for n, k, w, s in [
         *itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4)),
         (64, 128, 2, 3), (64, 128, 8, 3), (32, 256, 2, 4), (128, 128, 8, 4),
+    ]
+]  # fmt: skip
+
+
+# a short pass (65-1,023 tokens: a chat turn's new message, a stream's 128-token prompt) has ~2-30
+# rows an expert, between decode's 16-row tile (up to 4 pairs an expert) and the 64-row one
+SHORT_PASS_TILES = [
+    dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=g, TIERS=0, num_warps=4, num_stages=s)
+    for m, n, k, g, s in [
+        *itertools.product((16, 32), (64, 128), (64, 128), (0,), (3, 4)),
+        *itertools.product((64,), (64,), (64, 128), (0, 16), (3,)),
     ]
 ]  # fmt: skip
 
@@ -165,6 +178,8 @@ def main() -> None:
     for tokens in args.tokens:
         if tokens <= 64:
             sweep_decode(tokens)
+        elif tokens < 1024 and not (args.down or args.tiers):
+            sweep(tokens, SHORT_PASS_TILES)
         else:
             sweep_down(tokens) if args.down else sweep_tiers(tokens) if args.tiers else sweep(tokens)
 
