@@ -1,5 +1,6 @@
 """`python -m pdserve.engine.step_log_summary`: a step log's decode steps, prefill passes by size,
-cache traffic and background host time, from a log written here line by line."""
+cache traffic, background host time and the longest steps with decode rows, from a log written
+here line by line."""
 
 from __future__ import annotations
 
@@ -47,8 +48,13 @@ def test_a_log_is_summarized_by_kind_of_step(tmp_path) -> None:
     assert summary[5] == (
         "background pass: 2 steps, host ms a step p50 20.0 / max 20.0; 1 starts, ms p50 18.0 / max 18.0"
     )
-    assert summary[6] == "CUDA allocator: 2 cudaMalloc, 1 cudaFree, 0 retries, in 1 steps"
-    assert len(summarize(lines[:-1])) == 6  # no allocator line where the log has no events
+    assert summary[6].startswith(  # the streams' largest gaps, each with what held it
+        "longest steps with decode rows, ms: 150 (7000 prompt tokens, 4 rows); "
+        "30 (background host 20 ms (1 layers), 4 rows); 20 (decode, 4 rows); 19 (decode, 4 rows); "
+    )
+    assert summary[6].count("rows)") == 8
+    assert summary[7] == "CUDA allocator: 2 cudaMalloc, 1 cudaFree, 0 retries, in 1 steps"
+    assert len(summarize(lines[:-1])) == 7  # no allocator line where the log has no events
     # --start / --end keep a window, in seconds from the first line
     assert summarize(lines, start=1.15)[0] == "3 steps over 0.3 s"
     assert summarize(lines, start=5) == ["no steps"]

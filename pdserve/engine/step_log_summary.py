@@ -10,6 +10,7 @@ session (docs/benchmarks.md, sessions 15-24), so this prints it:
     the passes that ran right after a step that moved some (their copies share the compute stream);
   - a background pass's host time a step (`bg_ms`), where there was one, and its starts' and
     ends' (`bg_start_ms`, `bg_end_ms`);
+  - the longest steps that carried decode rows (the streams' largest gaps) and what held each;
   - the CUDA allocator's cudaMalloc / cudaFree calls and retries, where there were any.
 `--start` / `--end` (seconds from the first line) keep one part of a run, e.g. one benchmark cell.
 """
@@ -22,6 +23,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 BUCKETS = (1024, 2048, 4096, 8192)  # upper bounds of the prefill pass classes, in new tokens
+LONGEST = 8  # the longest steps with decode rows named, with what held them
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -88,6 +90,7 @@ def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf
             if ms:
                 line += f"; {len(ms)} {part}s, ms p50 {quantile(ms, 0.5):.1f} / max {max(ms):.1f}"
         out.append(line)
+    out += longest_decode_gaps(rows)
     events = {k: sum(r.get(k, 0) for r in rows) for k in ("device_allocs", "device_frees", "alloc_retries")}
     if any(events.values()):  # host time that waited for the GPU in the allocator
         steps = sum(any(r.get(k) for k in events) for r in rows)
@@ -96,6 +99,26 @@ def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf
             f"{events['alloc_retries']} retries, in {steps} steps"
         )
     return out
+
+
+def longest_decode_gaps(rows: list[dict], count: int = LONGEST) -> list[str]:
+    """The `count` longest steps that carried decode rows (each a gap in every stream), with what
+    held them: the host launching a background pass's layers (most of the step), a prompt chunk
+    in the step, or neither (the decode step itself, or a stall the log does not name)."""
+    steps = sorted((r for r in rows if r["decode"]), key=lambda r: -r["s"])[:count]
+    if not steps:
+        return []
+    parts = []
+    for r in steps:
+        ms = 1000 * r["s"]
+        if r.get("bg_ms", 0.0) > ms / 2:
+            why = f"background host {r['bg_ms']:.0f} ms ({r.get('bg_layers', 0)} layers)"
+        elif r["tokens"]:
+            why = f"{r['tokens']} prompt tokens"
+        else:
+            why = "decode"
+        parts.append(f"{ms:.0f} ({why}, {r['decode']} rows)")
+    return [f"longest steps with decode rows, ms: {'; '.join(parts)}"]
 
 
 def main() -> None:
