@@ -159,6 +159,7 @@ def warm_up(kv_layer: torch.Tensor, heads: int, chunk: int) -> None:
     kv_heads, dim = kv_layer.shape[3], kv_layer.shape[4]
     like = {"dtype": kv_layer.dtype, "device": kv_layer.device}
     k = torch.zeros(1, kv_heads, KEY_BLOCK, dim, **like)
-    for tokens in range(plan_tokens(MIN_CHUNK), plan_tokens(chunk) + 1, PLAN_TOKENS):
+    # the largest first: the allocator serves the smaller ones out of its blocks
+    for tokens in range(plan_tokens(chunk), plan_tokens(MIN_CHUNK) - 1, -PLAN_TOKENS):
         q = torch.zeros(1, kv_heads, tokens * (heads // kv_heads), dim, **like)
         _attend(q, k, k, dim**-0.5, causal=False, backend=BACKEND)
