@@ -68,17 +68,21 @@ def test_engine_tokens_equal_with_the_split(tiny_model_dir, monkeypatch) -> None
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1024, 1000])
 @pytest.mark.parametrize("key_block", [32768, 4096])
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
-def test_split_chunk_on_the_gpu_equals_the_paged_kernel(backend: str, key_block: int, monkeypatch) -> None:
-    """bf16 at the Qwen3.6 heads (16 query, 2 KV, head dim 256): 1,024 new tokens over 8,200 cached,
-    torch's GPU attention for the parts (the prefix in one piece, or two full pieces of 4,096 keys
-    on `backend` and 8 keys on flash), against the GQA paged kernel."""
+def test_split_chunk_on_the_gpu_equals_the_paged_kernel(
+    backend: str, key_block: int, tokens: int, monkeypatch
+) -> None:
+    """bf16 at the Qwen3.6 heads (16 query, 2 KV, head dim 256): 1,024 (or 1,000: the pieces'
+    queries padded to 1,024) new tokens over 8,200 cached, torch's GPU attention for the parts (the
+    prefix in one piece, or two full pieces of 4,096 keys on `backend` and 8 keys on flash),
+    against the GQA paged kernel."""
     from pdserve.ops import cuda_prefill_attention
 
     monkeypatch.setattr(long_attention, "BACKEND", backend)
     monkeypatch.setattr(long_attention, "KEY_BLOCK", key_block)
-    tokens, before, heads, kv_heads, dim = 1024, 8200, 16, 2, 256
+    before, heads, kv_heads, dim = 8200, 16, 2, 256
     end = before + tokens
     pages = -(-end // PAGE)
     kv = torch.randn(2, pages + 1, PAGE, kv_heads, dim, device="cuda").to(torch.bfloat16)

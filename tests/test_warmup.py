@@ -134,3 +134,22 @@ def test_grammars_are_built_before_a_service_takes_requests(tiny_model_dir) -> N
         assert id(host.engine.tokenizer) in grammar._by_tokenizer
     finally:
         host.agent.close()
+
+
+def test_long_attention_is_warmed_up_to_the_budget_and_its_tail(engine: LLMEngine, monkeypatch) -> None:
+    """`warm_up_long_attention` builds the long-chunk attention's plans for chunks up to the
+    budget and a short tail past it (a long prompt's last chunk may take its tail whole), on the
+    default stream and, on a GPU, on the background lane's (on a CPU there is none: one call)."""
+    from pdserve.engine import warmup
+    from pdserve.engine.scheduler import TAIL_SHARE
+
+    calls = []
+    monkeypatch.setattr(warmup.long_attention, "warm_up", lambda kv, heads, chunk: calls.append(chunk))
+    long_one = with_budget(engine, 8192)
+    long_one.config = dataclasses.replace(long_one.config, long_attention_from=256, max_model_len=512)
+    warmup.warm_up_long_attention(long_one)
+    assert calls == [8192 + 8192 // TAIL_SHARE]
+    calls.clear()
+    long_one.config = dataclasses.replace(long_one.config, long_attention_from=0)  # off: nothing to warm
+    warmup.warm_up_long_attention(long_one)
+    assert calls == []
