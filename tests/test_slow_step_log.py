@@ -3,6 +3,7 @@ traffic); a fast one is not."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -170,3 +171,35 @@ def test_step_log_gives_the_allocator_events_of_each_step(plain_llm: LLM, tmp_pa
     )
     assert any("device_frees" not in line for line in lines)
     assert step_log.allocator_events() == {}  # this CPU machine: no CUDA
+
+
+def test_step_log_gives_the_collectors_pauses_since_the_line_before(plain_llm: LLM, tmp_path) -> None:
+    """`gc_ms` (every generation's pauses) and `gc_full` (full collections) since the line
+    before, left out where there were none: here one full collection forced after the first step
+    (the automatic ones off meanwhile)."""
+    from pdserve.heap import GcPauses
+
+    pauses = GcPauses()
+    log = step_log.StepLog(str(tmp_path / "steps.jsonl"), gc_pauses=pauses)
+    engine = plain_llm.engine
+    engine.add_request(random_prompts((21,), seed=56)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    gc.callbacks.append(pauses)
+    gc.disable()
+    try:
+        steps = 0
+        while engine.has_unfinished():
+            if steps == 1:
+                gc.collect()
+            started = time.perf_counter()
+            engine.step()
+            log.record(started, time.perf_counter() - started, engine.last_pass, engine.scheduler)
+            steps += 1
+    finally:
+        gc.enable()
+        gc.callbacks.remove(pauses)
+    log.close()
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert len(lines) >= 2 and "gc_ms" not in lines[0] and "gc_full" not in lines[0]
+    assert [line.get("gc_full", 0) for line in lines[1:]].count(1) == 1
+    assert sum(line.get("gc_full", 0) for line in lines) == 1
+    assert all(line["gc_ms"] > 0 for line in lines if "gc_full" in line)

@@ -33,7 +33,7 @@ def test_a_log_is_summarized_by_kind_of_step(tmp_path) -> None:
         _line(1.0, 40.0, tokens=800, hits={"gpu": 3}),
         _line(1.1, 20.0, decode=4, evicted=5, to_host=2),
         _line(1.2, 150.0, decode=4, tokens=7000, saves=30, hits={"gpu": 28, "host": 2}),
-        _line(1.4, 9.0, decode=4, bg_ms=6.5),
+        _line(1.4, 9.0, decode=4, bg_ms=6.5, gc_ms=1.5),
         _line(
             1.5, 30.0, decode=4, bg_ms=20.0, bg_start_ms=18.0, bg_layers=1, device_allocs=2, device_frees=1
         ),
@@ -48,13 +48,15 @@ def test_a_log_is_summarized_by_kind_of_step(tmp_path) -> None:
     assert summary[5] == (
         "background pass: 2 steps, host ms a step p50 20.0 / max 20.0; 1 starts, ms p50 18.0 / max 18.0"
     )
+    assert summary[6] == "garbage collection: 2 ms in 1 steps (0 full), most in one step 1.5 ms"
+    summary.pop(6)
     assert summary[6].startswith(  # the streams' largest gaps, each with what held it
         "longest steps with decode rows, ms: 150 (7000 prompt tokens, 4 rows); "
         "30 (background host 20 ms (1 layers), 4 rows); 20 (decode, 4 rows); 19 (decode, 4 rows); "
     )
     assert summary[6].count("rows)") == 8
     assert summary[7] == "CUDA allocator: 2 cudaMalloc, 1 cudaFree, 0 retries, in 1 steps"
-    assert len(summarize(lines[:-1])) == 7  # no allocator line where the log has no events
+    assert len(summarize(lines[:-1])) == 8  # no allocator line where the log has no events
     # --start / --end keep a window, in seconds from the first line
     assert summarize(lines, start=1.15)[0] == "3 steps over 0.3 s"
     assert summarize(lines, start=5) == ["no steps"]

@@ -13,7 +13,9 @@ not zero: the host tier's copies run on the compute stream, so a pass that resto
 entries waited on them. On a GPU, the CUDA caching allocator's events since the line before, where
 not zero: `device_allocs` / `device_frees` (cudaMalloc / cudaFree calls; a cudaFree waits for the
 device), `alloc_retries` (allocations that failed, freed the cache and tried again) and
-`allocator_syncs` (times it synchronized every stream): host time that waits for the GPU.
+`allocator_syncs` (times it synchronized every stream): host time that waits for the GPU. Where
+the garbage collector paused the process since the line before (`pdserve.heap.GC_PAUSES`, once the
+start-up heap is frozen): `gc_ms`, the pauses' total, and `gc_full`, how many were full collections.
 A step that launched nothing writes no line.
 """
 
@@ -29,6 +31,7 @@ import torch
 
 from pdserve.engine.background_pass import BackgroundHostTime
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler
+from pdserve.heap import GC_PAUSES, GcPauses
 from pdserve.prefix_stats import PrefixStats
 
 ENV = "PDSERVE_STEP_LOG"
@@ -51,7 +54,10 @@ def allocator_events() -> dict[str, int]:
 
 class StepLog:
     def __init__(
-        self, path: str | None = None, allocator: Callable[[], dict[str, int]] = allocator_events
+        self,
+        path: str | None = None,
+        allocator: Callable[[], dict[str, int]] = allocator_events,
+        gc_pauses: GcPauses = GC_PAUSES,
     ) -> None:
         path = path if path is not None else os.environ.get(ENV)
         self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
@@ -59,6 +65,8 @@ class StepLog:
         self._seen = PrefixStats()  # the cache's counters at the line before
         self._allocator = allocator
         self._allocator_seen: dict[str, int] = allocator() if self._file is not None else {}
+        self._gc = gc_pauses
+        self._gc_seen = (sum(gc_pauses.seconds), gc_pauses.count[2])
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +105,7 @@ class StepLog:
         if cache_stats is not None:
             line.update(self._cache_delta(cache_stats))
         line.update(self._allocator_delta())
+        line.update(self._gc_delta())
         try:
             self._file.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk must not stop the engine: the log stops instead
@@ -124,6 +133,16 @@ class StepLog:
         counts, seen = self._allocator(), self._allocator_seen
         self._allocator_seen = counts
         return {k: n - seen.get(k, 0) for k, n in counts.items() if n > seen.get(k, 0)}
+
+    def _gc_delta(self) -> dict:
+        """The garbage collector's pauses since the last call (`gc_ms`, all generations) and of
+        those the full collections (`gc_full`), where there were any."""
+        seconds, full = sum(self._gc.seconds), self._gc.count[2]
+        (seen_s, seen_full), self._gc_seen = self._gc_seen, (seconds, full)
+        delta: dict = {"gc_ms": round(1000 * (seconds - seen_s), 3)} if seconds > seen_s else {}
+        if full > seen_full:
+            delta["gc_full"] = full - seen_full
+        return delta
 
     def close(self) -> None:
         if self._file is not None:

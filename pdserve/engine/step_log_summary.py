@@ -10,6 +10,7 @@ session (docs/benchmarks.md, sessions 15-24), so this prints it:
     the passes that ran right after a step that moved some (their copies share the compute stream);
   - a background pass's host time a step (`bg_ms`), where there was one, and its starts' and
     ends' (`bg_start_ms`, `bg_end_ms`);
+  - the garbage collector's pauses (`gc_ms`, `gc_full`), where the log has them;
   - the longest steps that carried decode rows (the streams' largest gaps) and what held each;
   - the CUDA allocator's cudaMalloc / cudaFree calls and retries, where there were any.
 `--start` / `--end` (seconds from the first line) keep one part of a run, e.g. one benchmark cell.
@@ -90,6 +91,13 @@ def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf
             if ms:
                 line += f"; {len(ms)} {part}s, ms p50 {quantile(ms, 0.5):.1f} / max {max(ms):.1f}"
         out.append(line)
+    paused = [r["gc_ms"] for r in rows if "gc_ms" in r]
+    if paused:  # the collector's pauses: no token left the process meanwhile
+        full = sum(r.get("gc_full", 0) for r in rows)
+        out.append(
+            f"garbage collection: {sum(paused):.0f} ms in {len(paused)} steps ({full} full), "
+            f"most in one step {max(paused):.1f} ms"
+        )
     out += longest_decode_gaps(rows)
     events = {k: sum(r.get(k, 0) for r in rows) for k in ("device_allocs", "device_frees", "alloc_retries")}
     if any(events.values()):  # host time that waited for the GPU in the allocator
@@ -111,7 +119,9 @@ def longest_decode_gaps(rows: list[dict], count: int = LONGEST) -> list[str]:
     parts = []
     for r in steps:
         ms = 1000 * r["s"]
-        if r.get("bg_ms", 0.0) > ms / 2:
+        if r.get("gc_ms", 0.0) > ms / 2:
+            why = f"garbage collection {r['gc_ms']:.0f} ms"
+        elif r.get("bg_ms", 0.0) > ms / 2:
             why = f"background host {r['bg_ms']:.0f} ms ({r.get('bg_layers', 0)} layers)"
         elif r["tokens"]:
             why = f"{r['tokens']} prompt tokens"
