@@ -128,12 +128,14 @@ class PrefillService(ServiceRole):
             if seq is None:  # not ours: decoding here (an engine holding both roles)
                 continue
             lease = None
-            if out.lease_id is not None:
+            if out.lease_id is not None:  # the prompt's pages (decoding in place, the step
+                # launched ahead may have given it the next token's page already)
+                prompt_pages = self.engine.runner.kv_pool.pages_for(seq.num_prompt_tokens)
                 lease = Lease(
                     out.request_id,
                     out.lease_id,
                     self.agent.name,
-                    list(seq.block_table),
+                    seq.block_table[:prompt_pages],
                     seq.state_slot,
                     seq.num_prompt_tokens,
                 )

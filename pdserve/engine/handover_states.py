@@ -66,8 +66,8 @@ class HandoverStates:
         return lease
 
     def lease_decoding(self, seq: Sequence) -> DecodingLease:
-        """Keep a sequence that sampled its first token in the batch, under a new lease."""
-        self._save_prompt_end(seq)
+        """Keep a sequence that sampled its first token in the batch, under a new lease (its
+        prompt-end checkpoint was taken when its last chunk was launched: `save_prompt_end`)."""
         seq.handoff = False
         lease = DecodingLease(seq, secrets.token_hex(16), time.monotonic() + self.lease_ttl_s)
         self.decoding[seq.request_id] = lease
@@ -113,14 +113,16 @@ class HandoverStates:
         if lease is None or lease.lease_id != lease_id:
             return None
         del self.held[request_id]
-        self._save_prompt_end(lease.seq)
+        self.save_prompt_end(lease.seq)
         lease.seq.status = SequenceStatus.RUNNING
         lease.seq.handoff = False
         self.running.append(lease.seq)
         return lease.seq
 
-    def _save_prompt_end(self, seq: Sequence) -> None:
-        """Checkpoint a handed-over prompt's final state before decoding here moves it on."""
+    def save_prompt_end(self, seq: Sequence) -> None:
+        """Checkpoint a handed-over prompt's final state before decoding here moves it on: a copy
+        queued on the current stream, so right after the pass that ended the prompt (the next
+        step, launched before the host sees the first token, moves the state on)."""
         cache = self.prefix_cache
         if cache is not None and cache.wants_end_checkpoint(seq):
             cache.save(seq, "end")

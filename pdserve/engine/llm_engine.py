@@ -42,13 +42,9 @@ class LLMEngine:
                 config.model_config.identity(),
                 host_tier_bytes=config.snapshot_pool_mb << 20,  # allocated now, not at the first eviction
             )
-        self.scheduler = Scheduler(
-            self.runner.kv_pool,
-            self.runner.state_pool,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.prefix_cache,
-        )  # services set scheduler.lease_ttl_s
+        runner = self.runner  # services set scheduler.lease_ttl_s
+        self.scheduler = Scheduler(runner.kv_pool, runner.state_pool, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.prefix_cache)  # fmt: skip
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             tokenizer.eos_token_ids if tokenizer is not None else ()
@@ -59,9 +55,7 @@ class LLMEngine:
         self._ahead: InFlight | None = None
         self.background = BackgroundLane(self.runner, self.sampler, config)  # long prompts beside the steps
         self.prefill_rate = PrefillRate()  # measured per step, for the prefix cache's pulls
-        # one instance holding both roles: a handed-over sequence decodes on at once, its
-        # outputs kept until its decode stream claims it (pdserve.engine.handover_states)
-        self.decode_in_place = False
+        self.decode_in_place = False  # one instance, both roles: a hand-over decodes on at once
 
     # ---- requests in
     def make_sequence(
@@ -91,8 +85,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; max_model_len {limit}{why} leaves no room "
                 "for an output token"
             )
-        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stops:
+        if bad_stops := [t for t in params.stop_token_ids if t >= vocab]:
             raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad_stops[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -152,7 +145,7 @@ class LLMEngine:
         self.background.beside(background, alone=launched is None and ahead is None)
         outputs = self._finish(ahead, pending=True) if ahead else []
         if launched is not None:
-            if self.run_ahead and may_run_ahead(launched.seqs):
+            if self.run_ahead and may_run_ahead(launched.seqs, self.decode_in_place):
                 self._ahead = launched
             else:
                 outputs += self._finish(launched)
@@ -166,10 +159,16 @@ class LLMEngine:
         began, item, seq = time.perf_counter(), done.item, done.seq
         seq.num_computed_tokens += item.num_new_tokens
         self.scheduler.reached_checkpoint(item)
+        self._save_handed_over_end(item)
         self.prefill_rate.measured(item.num_new_tokens, done.started, began)
         outputs = [] if done.sampled is None else self.postprocess([seq], done.sampled, host=done.host)
         self.background.host.end = time.perf_counter() - began
         return outputs
+
+    def _save_handed_over_end(self, item: ScheduledSeq) -> None:
+        """The prompt-end checkpoint of a hand-over decoded in place, before a step run ahead."""
+        if item.samples and item.seq.handoff and self.decode_in_place:
+            self.scheduler.save_prompt_end(item.seq)
 
     def _launch(self, scheduled: list[ScheduledSeq], ahead: InFlight | None, scheduled_at: float) -> InFlight:
         self.last_pass = scheduled  # what a slow step ran (EngineThread's warning names it)
@@ -182,6 +181,7 @@ class LLMEngine:
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.scheduler.reached_checkpoint(s)
+            self._save_handed_over_end(s)
         prompt_tokens = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)
         sampled = self.sampler.sample(logits, [seq.sampling for seq in sampling])
         return InFlight(sampling, sampled, scheduled_at, prompt_tokens)

@@ -12,8 +12,11 @@ the device) and its next `step()`:
      was computed once more by step N+1: that row's token is dropped;
   3. keeps step N+1 in flight if every sequence of it may run ahead, else finishes it too.
 A sequence may run ahead unless its next step depends on the host seeing its token: a
-hand-over (it becomes HELD after its first token), penalties (token counts), a grammar
-(the matcher advances by the token), or a prompt-only request (max_tokens 0).
+hand-over (it becomes HELD after its first token; not in one instance holding both roles, which
+decodes it on at once: its prompt-end checkpoint is copied when its last chunk is launched),
+penalties (token counts), a grammar (the matcher advances by the token), or a prompt-only
+request (max_tokens 0). Served from one instance, every prefill pass carries hand-overs: before,
+none ran ahead, and the GPU idled through the host's work after each one and before the next.
 
 Outputs are the same as without it, token for token: the same passes run in the same order
 on one stream; only when the host learns of them moves (one step later).
@@ -74,11 +77,14 @@ class InFlight:
         return (positions, rows, self.sampled.token_ids) if positions else None
 
 
-def may_run_ahead(seqs: list[Sequence]) -> bool:
-    """True when none of `seqs` needs the host to see its token before its next step."""
+def may_run_ahead(seqs: list[Sequence], decode_in_place: bool = False) -> bool:
+    """True when none of `seqs` needs the host to see its token before its next step. A hand-over
+    does, unless the engine decodes it in place (`LLMEngine.decode_in_place`)."""
     for seq in seqs:
         p = seq.params
-        if seq.handoff or p.max_tokens == 0 or getattr(p, "structured_outputs", None) is not None:
+        if seq.handoff and not decode_in_place:
+            return False
+        if p.max_tokens == 0 or getattr(p, "structured_outputs", None) is not None:
             return False
         if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             return False
