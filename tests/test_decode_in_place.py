@@ -95,3 +95,34 @@ def test_a_lease_not_claimed_stops_the_request(engine: LLMEngine, how: str) -> N
         assert [out for out in engine.step() if out.request_id == "r"] == []
     assert engine.resume_held("r", lease_id) is None
     assert_no_leaks(engine)
+
+
+def test_a_hand_over_aborted_while_its_pass_is_in_flight(engine: LLMEngine, tiny_model_dir) -> None:
+    """Decoding in place, a prompt's pass runs ahead: the step that ends it leaves it in flight.
+    Aborted then (its first token not yet seen), nothing leaks, and a longer prompt that begins
+    as it did, handed over next, starts from the prompt-end checkpoint the pass's launch copied
+    and gives the tokens of an engine that never saw the first."""
+    prompt, more = random_prompts((70, 12), seed=8, vocab=1000)
+    plain = tiny_engine(tiny_model_dir)
+    plain.add_request(prompt + more, PARAMS, "plain")
+    expected = []
+    while plain.has_unfinished():
+        expected += [t for out in plain.step() for t in out.new_token_ids]
+
+    seq = engine.make_sequence(prompt, PARAMS, "gone")
+    seq.handoff = True
+    engine.enqueue(seq)
+    assert [out for out in engine.step() if out.request_id == "gone"] == []  # its pass is in flight
+    assert engine.scheduler.decoding == {} and seq.num_computed_tokens == len(prompt)
+    assert engine.abort("gone")
+    while engine.has_unfinished():
+        assert [out for out in engine.step() if out.request_id == "gone"] == []
+
+    lease_id = hand_over(engine, prompt + more, "again")
+    stats = engine.prefix_cache.stats
+    assert stats.hit_requests["gpu"] == 1 and stats.hit_tokens["gpu"] == len(prompt)
+    while engine.has_unfinished():
+        engine.step()
+    kept = engine.resume_held("again", lease_id)
+    assert [t for out in kept for t in out.new_token_ids] == expected[1:]
+    assert_no_leaks(engine)
