@@ -42,9 +42,10 @@ class LLMEngine:
                 config.model_config.identity(),
                 host_tier_bytes=config.snapshot_pool_mb << 20,  # allocated now, not at the first eviction
             )
-        runner = self.runner  # services set scheduler.lease_ttl_s
+        runner = self.runner
         self.scheduler = Scheduler(runner.kv_pool, runner.state_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.prefix_cache)  # fmt: skip
+        # (services set scheduler.lease_ttl_s)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             tokenizer.eos_token_ids if tokenizer is not None else ()
