@@ -5,7 +5,8 @@ their first requests ask for 1/N, 2/N, ... of `--stream-tokens`, so they do not 
 After `--baseline-s` seconds of them alone, each `--long` prompt (random token ids on
 /v1/completions) is sent in turn, waiting for its answer before the next. Reports each long
 prompt's TTFT (and the prefill rate it implies), and the short streams' inter-token latency
-(p50 / p99) in the baseline window and while each long prompt was prefilling (from its send to
+(p50 / p99, per token: a chunk's gap shared by the tokens its running usage counts, as the
+router's histogram does; and the p99 between text chunks beside it) in the baseline window and while each long prompt was prefilling (from its send to
 its first token): the figures issue 12 asks for; and the TTFT of the short requests sent during
 that window (a short request must not wait for a long prefill). Pure HTTP client: runs against
 any server that takes token-id prompts.
@@ -29,13 +30,29 @@ from pdserve.bench_serve import percentile
 
 @dataclass(slots=True)
 class StreamLog:
-    """Every text chunk's arrival time of the short streams, per request (so gaps never span two)."""
+    """Every text chunk's arrival time of the short streams and the output tokens counted so far
+    at it, per request (so gaps never span two)."""
 
     requests: list[list[float]] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)  # at each arrival; none kept: one a chunk
     sent: list[float] = field(default_factory=list)  # when each request was sent
     errors: list[str] = field(default_factory=list)
 
     def gaps_ending_in(self, start: float, end: float) -> list[float]:
+        """The gaps between tokens, each chunk's gap shared by the tokens it brought (as the
+        router's histogram counts them): a token whose text is an incomplete UTF-8 character
+        comes in the next token's chunk, and with random weights ~1% did, each a double gap at
+        the client that no step had (H100, session 32)."""
+        gaps = []
+        for i, times in enumerate(self.requests):
+            counts = self.tokens[i] if i < len(self.tokens) else range(1, len(times) + 1)
+            for a, b, n, m in zip(times, times[1:], counts, counts[1:], strict=False):
+                if start <= b <= end:
+                    gaps += [(b - a) / max(1, m - n)] * max(1, m - n)
+        return gaps
+
+    def chunk_gaps_ending_in(self, start: float, end: float) -> list[float]:
+        """The gaps between text chunks, whatever tokens they carry (the text as a reader sees it)."""
         return [
             b - a
             for times in self.requests
@@ -60,9 +77,13 @@ async def short_stream(
     while True:  # until cancelled
         prompt = [rng.randrange(1000, 100_000) for _ in range(args.stream_prompt_len)]
         arrivals: list[float] = []
+        counts: list[int] = []
         log.requests.append(arrivals)
+        log.tokens.append(counts)
         log.sent.append(time.perf_counter())
-        done = await timed_request(client, args.url, COMPLETIONS, args.model, prompt, tokens, arrivals)
+        done = await timed_request(
+            client, args.url, COMPLETIONS, args.model, prompt, tokens, arrivals, tokens_so_far=counts
+        )
         tokens = args.stream_tokens
         if isinstance(done, RequestFailure):
             log.errors.append(done.error)
@@ -151,6 +172,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
             window = result.pop("sent"), result.pop("first_token")
             gaps = log.gaps_ending_in(*window)
             result |= itl_figures(gaps)
+            result["text_chunk_itl_p99_ms"] = itl_figures(log.chunk_gaps_ending_in(*window))["itl_p99_ms"]
             result["gaps_above"] = tail_shares(gaps, buckets, await router_itl_buckets(client, args.url))
             waits = log.first_token_waits(*window)
             result["stream_requests_sent"] = len(waits)
@@ -172,7 +194,8 @@ def report_line(r: dict) -> str:
     return (
         f"{r['prompt_tokens']:>8} tokens: TTFT {r['ttft_s']:6.2f} s ({r['prefill_tok_s']:,.0f} tok/s)  "
         f"streams' ITL p50 {r['itl_p50_ms']:.1f} / p99 {r['itl_p99_ms']:.1f} ms "
-        f"({r['itl_p99_over_baseline_p50']:.1f}x the baseline p50, {r['gaps']} gaps); "
+        f"({r['itl_p99_over_baseline_p50']:.1f}x the baseline p50, {r['gaps']} gaps; "
+        f"between text chunks p99 {r['text_chunk_itl_p99_ms']:.1f} ms); "
         f"{r['stream_requests_sent']} short ones sent meanwhile, TTFT max {r['stream_ttft_max_ms']:.0f} ms"
         + "".join(
             f"; > {bound}: client {s['client']:.2%}"

@@ -71,14 +71,19 @@ def arrival_times(rng: random.Random, count: int, request_rate: float) -> list[f
     return times
 
 
-def request_body(endpoint: str, model: str, prompt: list[int] | str, output_len: int) -> dict:
+def request_body(
+    endpoint: str, model: str, prompt: list[int] | str, output_len: int, running_usage: bool = False
+) -> dict:
+    """A streaming request's body; `running_usage`: every chunk carries the tokens so far
+    (vLLM's continuous_usage_stats), so a chunk's tokens are known."""
+    options = {"include_usage": True} | ({"continuous_usage_stats": True} if running_usage else {})
     body = {
         "model": model,
         "max_tokens": output_len,
         "ignore_eos": True,  # every request generates output_len tokens
         "temperature": 0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": options,
     }
     if endpoint == CHAT:
         return body | {"messages": [{"role": "user", "content": prompt}]}
@@ -106,13 +111,17 @@ async def timed_request(
     output_len: int,
     arrivals: list[float] | None = None,
     encoded: bytes | None = None,
+    tokens_so_far: list[int] | None = None,
 ) -> RequestTiming | RequestFailure:
     """Send one streaming request and time it; whatever goes wrong is a RequestFailure.
     `arrivals`, when given, gets each text chunk's arrival time as it comes (a caller watching
     the stream live). `encoded`: the body already as JSON bytes (`request_body` of the same
-    arguments), for a prompt too long to encode on the event loop while other streams are read."""
+    arguments), for a prompt too long to encode on the event loop while other streams are read.
+    `tokens_so_far`, when given, gets the output tokens counted by each text chunk's running usage
+    (asked for; the chunk's count in text chunks where the server sends none)."""
+    running = tokens_so_far is not None
     if encoded is None:
-        sent: dict = {"json": request_body(endpoint, model, prompt, output_len)}
+        sent: dict = {"json": request_body(endpoint, model, prompt, output_len, running)}
     else:
         sent = {"content": encoded, "headers": {"Content-Type": "application/json"}}
     start = time.perf_counter()
@@ -132,6 +141,8 @@ async def timed_request(
                 usage = chunk.get("usage") or usage
                 if carries_text(chunk):
                     arrivals.append(time.perf_counter())
+                    if tokens_so_far is not None:
+                        tokens_so_far.append((chunk.get("usage") or {}).get("completion_tokens") or len(arrivals))
     except (httpx.HTTPError, ValueError) as e:  # timeouts, broken connections, bad JSON
         return RequestFailure(f"{type(e).__name__}: {one_line(str(e))}")
     if not arrivals:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import pytest
+
 from pdserve.bench_long import StreamLog, add_arguments, run_bench, tail_shares
 from tests.router_requests import MODEL
 
@@ -18,6 +20,14 @@ def test_gaps_are_counted_in_the_window_they_end_in() -> None:
     log = StreamLog(requests=[[1.0, 2.0, 4.0], [3.5, 5.0]])
     assert log.gaps_ending_in(1.5, 4.0) == [1.0, 2.0]
     assert log.gaps_ending_in(4.5, 6.0) == [1.5]  # never a gap from one request to the next
+
+
+def test_a_chunk_of_two_tokens_counts_its_gap_once_per_token() -> None:
+    """A token whose text waits for the next one's (an incomplete UTF-8 character) arrives in a
+    chunk of two: its 20 ms gap is two 10 ms gaps per token, one 20 ms gap between text chunks."""
+    log = StreamLog(requests=[[1.00, 1.01, 1.03, 1.04]], tokens=[[1, 2, 4, 5]])
+    assert log.gaps_ending_in(0.0, 2.0) == pytest.approx([0.01, 0.01, 0.01, 0.01])
+    assert log.chunk_gaps_ending_in(0.0, 2.0) == pytest.approx([0.01, 0.02, 0.01])
 
 
 def test_first_token_waits_are_those_of_requests_sent_in_the_window() -> None:
@@ -53,6 +63,7 @@ def test_long_prompts_beside_short_streams(server: str) -> None:
     for r in result["long"]:
         assert r["error"] is None and 0 < r["ttft_s"] < 30
         assert r["prefill_tok_s"] == r["prompt_tokens"] / r["ttft_s"]
+        assert r["text_chunk_itl_p99_ms"] >= r["itl_p99_ms"] > 0
         assert {"stream_ttft_max_ms", "stream_requests_sent"} <= r.keys()
         # the router's own inter-token histogram was read around the window
         assert all(share["router"] is not None for share in r["gaps_above"].values())

@@ -21,6 +21,7 @@ import time
 import torch
 
 from pdserve.engine.background_pass import background_stream
+from pdserve.engine.scheduler import TAIL_SHARE
 from pdserve.ops import long_attention
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 2, 256, 16  # Qwen3.6-35B-A3B's full-attention layers
@@ -37,8 +38,11 @@ def timed_call(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, before: i
 
 
 def sweep(label: str, kv: torch.Tensor, table: torch.Tensor, context: int, chunk: int) -> None:
+    """Every chunk in parts of a `context`-token prompt prefilled `chunk` tokens at a time (the
+    engine's chunks beside decode rows are the budget less those rows: 8,188 beside 4)."""
     q = torch.randn(chunk, HEADS, HEAD_DIM, dtype=kv.dtype, device=kv.device)
-    for before in range(long_attention.KEY_BLOCK, context - chunk + 1, chunk):
+    first = -(-long_attention.KEY_BLOCK // chunk) * chunk
+    for before in range(first, context - chunk + 1, chunk):
         host, total = timed_call(q, kv, table, before)
         flag = "  <- stall" if host > 20 else ""
         print(f"[{label}] chunk after {before:7d}: host {host:7.1f} ms, whole {total:7.1f} ms{flag}")
@@ -47,27 +51,29 @@ def sweep(label: str, kv: torch.Tensor, table: torch.Tensor, context: int, chunk
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=131072)
-    parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--chunk", type=int, default=8192, help="the token budget")
+    parser.add_argument("--rows", type=int, default=4, help="decode rows beside the chunks")
     parser.add_argument("--warm-green", action="store_true", help="warm up on the green stream too")
     args = parser.parse_args()
     device = torch.device("cuda")
     pages = -(-args.context // PAGE)
     kv = torch.zeros(2, pages, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     table = torch.arange(pages, dtype=torch.int32, device=device)
+    longest = args.chunk + args.chunk // TAIL_SHARE  # what the engine's warm-up covers
     began = time.perf_counter()
-    long_attention.warm_up(kv, HEADS, args.chunk)
+    long_attention.warm_up(kv, HEADS, longest)
     torch.cuda.synchronize()
     print(f"warm-up (default stream): {1e3 * (time.perf_counter() - began):.0f} ms")
     stream = background_stream(device, None)
     if args.warm_green:
         began = time.perf_counter()
         with torch.cuda.stream(stream):
-            long_attention.warm_up(kv, HEADS, args.chunk)
+            long_attention.warm_up(kv, HEADS, longest)
             stream.synchronize()
         print(f"warm-up (green stream): {1e3 * (time.perf_counter() - began):.0f} ms")
-    sweep("default", kv, table, args.context, args.chunk)
+    sweep("default", kv, table, args.context, args.chunk - args.rows)
     with torch.cuda.stream(stream):
-        sweep("green", kv, table, args.context, args.chunk)
+        sweep("green", kv, table, args.context, args.chunk - args.rows)
         odd = args.chunk - 8
         q = torch.randn(odd, HEADS, HEAD_DIM, dtype=kv.dtype, device=device)
         host, total = timed_call(q, kv, table, args.context - args.chunk)

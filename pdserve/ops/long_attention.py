@@ -153,7 +153,12 @@ def plan_tokens(num_tokens: int) -> int:
 def warm_up(kv_layer: torch.Tensor, heads: int, chunk: int) -> None:
     """Build the GPU kernels' plans of every chunk up to `chunk` tokens (each multiple of
     PLAN_TOKENS from MIN_CHUNK's) over one full prefix piece, on zeros, on the current stream
-    (cuDNN's first call took 0.2-1.7 s, each new shape 40-70 ms). Nothing on a CPU."""
+    (cuDNN's first call took 0.2-1.7 s, each new shape 40-70 ms); then run two whole chunks over
+    `kv_layer`'s own pages (read, never written), one of `chunk` tokens and one of an odd length
+    after an odd prefix: the tail's flash kernels (each length class a kernel of its own), the
+    gathers and the merge load at their first launch, and that first launch was a 79-92 ms stall
+    of every stream at a served prompt's first chunk in parts (H100, session 32). Nothing on a
+    CPU, or where the pages cannot hold those chunks."""
     if not kv_layer.is_cuda:
         return
     kv_heads, dim = kv_layer.shape[3], kv_layer.shape[4]
@@ -163,3 +168,10 @@ def warm_up(kv_layer: torch.Tensor, heads: int, chunk: int) -> None:
     for tokens in range(plan_tokens(chunk), plan_tokens(MIN_CHUNK) - 1, -PLAN_TOKENS):
         q = torch.zeros(1, kv_heads, tokens * (heads // kv_heads), dim, **like)
         _attend(q, k, k, dim**-0.5, causal=False, backend=BACKEND)
+    pages, page_size = kv_layer.shape[1], kv_layer.shape[2]
+    if pages * page_size < KEY_BLOCK + chunk + 1:
+        return
+    table = torch.arange(pages, dtype=torch.int32, device=kv_layer.device)
+    for tokens, before in ((chunk, KEY_BLOCK), (chunk - 1, KEY_BLOCK + 1)):
+        q = torch.zeros(tokens, heads, dim, **like)
+        long_chunk_attention(q, kv_layer, table, before, dim**-0.5)
