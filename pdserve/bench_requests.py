@@ -142,7 +142,8 @@ async def timed_request(
                 if carries_text(chunk):
                     arrivals.append(time.perf_counter())
                     if tokens_so_far is not None:
-                        tokens_so_far.append((chunk.get("usage") or {}).get("completion_tokens") or len(arrivals))
+                        counted = (chunk.get("usage") or {}).get("completion_tokens")
+                        tokens_so_far.append(counted or len(arrivals))
     except (httpx.HTTPError, ValueError) as e:  # timeouts, broken connections, bad JSON
         return RequestFailure(f"{type(e).__name__}: {one_line(str(e))}")
     if not arrivals:
