@@ -7,9 +7,9 @@ After `--baseline-s` seconds of them alone, each `--long` prompt (random token i
 prompt's TTFT (and the prefill rate it implies), and the short streams' inter-token latency
 (p50 / p99, per token: a chunk's gap shared by the tokens its running usage counts, as the
 router's histogram does; and the p99 between text chunks beside it) in the baseline window and
-while each long prompt was prefilling (from its send to its first token): the figures issue 12 asks for; and the TTFT of the short requests sent during
-that window (a short request must not wait for a long prefill). Pure HTTP client: runs against
-any server that takes token-id prompts.
+while each long prompt was prefilling (from its send to its first token): the figures issue 12
+asks for; and the TTFT of the short requests sent during that window (a short request must not
+wait for a long prefill). Pure HTTP client: runs against any server that takes token-id prompts.
 """
 
 from __future__ import annotations
