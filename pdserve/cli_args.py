@@ -35,6 +35,7 @@ ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "--num-prefix-checkpoints": ("num_prefix_checkpoints", int),
     "--background-prefill-tokens": ("background_prefill_tokens", int),
     "--background-prefill-sms": ("background_prefill_sms", int),
+    "--background-launch-ms": ("background_launch_ms", float),
     "--long-attention-from": ("long_attention_from", int),
 }
 # on/off flags (`--x` / `--no-x`; unset: the EngineConfig default) -> EngineConfig field
@@ -67,6 +68,8 @@ _HELP = {
     "beside the decode steps instead of in them, so short streams keep their ITL (default 32768; 0: never)",
     "--background-prefill-sms": "SMs a background prefill pass may hold on a GPU (default: all but 32; "
     "0: the whole device)",
+    "--background-launch-ms": "host time a step may spend launching a background pass's layers "
+    "(default 5; each layer of an 8K-token chunk takes 2-6 ms to launch)",
     "--long-attention-from": "a prompt chunk of >= 1,024 tokens, alone in its pass, after at least this "
     "many cached tokens computes its attention in parts: the cached prefix through cuDNN (default 16384; "
     "0: never)",

@@ -62,6 +62,9 @@ class EngineConfig:
     # (None: all but 32; 0: the whole device)
     background_prefill_tokens: int = 32768
     background_prefill_sms: int | None = None
+    # host time a step may spend launching the background pass's layers, ms (hidden behind the
+    # step's GPU time: a 4-row decode step beside the pass is ~8-10 ms on the SMs left to it)
+    background_launch_ms: float = 5.0
     # while a long prompt's background pass runs, another prompt chunk scheduled beside decode rows
     # runs on the background stream too (the express pass), not in the decode step: off until
     # it has run on a GPU (docs/benchmarks.md, session 28)
@@ -105,6 +108,8 @@ class EngineConfig:
             raise ValueError("background_prefill_tokens and background_prefill_sms must be >= 0")
         if self.long_attention_from < 0:
             raise ValueError("long_attention_from must be >= 0")
+        if self.background_launch_ms <= 0:
+            raise ValueError("background_launch_ms must be positive")
         if self.snapshot_pool_mb is None:
             self.snapshot_pool_mb = 4096 if self.device.startswith("cuda") else 16
         if self.snapshot_pool_mb < 0:

@@ -46,6 +46,17 @@ def test_long_attention_flag_reaches_the_config_and_the_children(tiny_model_dir)
         EngineConfig(model=str(tiny_model_dir), device="cpu", long_attention_from=-1)
 
 
+def test_background_launch_ms_reaches_the_config_and_the_children(tiny_model_dir) -> None:
+    default = engine_config_from_args(parse("--model", str(tiny_model_dir), "--device", "cpu"))
+    assert default.background_launch_ms == 5.0
+    args = parse("--model", str(tiny_model_dir), "--device", "cpu", "--background-launch-ms", "8.5")
+    assert engine_config_from_args(args).background_launch_ms == 8.5
+    argv = engine_argv(args)
+    assert argv[argv.index("--background-launch-ms") + 1] == "8.5"
+    with pytest.raises(ValueError, match="background_launch_ms"):
+        EngineConfig(model=str(tiny_model_dir), device="cpu", background_launch_ms=0)
+
+
 def test_express_prefill_switch_reaches_the_config_and_the_children(tiny_model_dir) -> None:
     default = engine_config_from_args(parse("--model", str(tiny_model_dir), "--device", "cpu"))
     assert default.express_prefill is False

@@ -41,9 +41,10 @@ from pdserve.sampling.sampler import Sampler, SamplerOutput
 
 QUEUED_LAYERS = 3  # on a GPU: keep this many layers launched ahead of the background stream
 LAYERS_PER_STEP = 4  # at most this many launched between two foreground steps (their host time)
-# host time a step may spend starting the pass and launching its layers once the step is launched:
-# hidden behind the step's GPU time (a 4-row decode step is ~10 ms on the SMs left to it)
-HOST_S_PER_STEP = 0.005
+# the host time a step may spend starting the pass and launching its layers once the step is
+# launched is `EngineConfig.background_launch_ms`: an 8K-token chunk's layer takes 2-3 ms to
+# launch (GDN), 5-6 ms (attention), so at 5 ms a step launches ~2 and a 131K prompt's first
+# chunks waited for their launches (220-274 ms for ~170 ms of GPU work, H100, session 32)
 DECODE_SMS = 32  # SMs a green context leaves to the decode steps by default
 # an express pass (a short prompt beside a long one's) launches layers until the step's host
 # budget is spent, however many wait: its TTFT is the pacing (a 128-token layer is ~0.5 ms)
@@ -185,6 +186,7 @@ class BackgroundLane:
         self.threshold = config.background_prefill_tokens
         self.sms = config.background_prefill_sms
         self.takes_express = config.express_prefill
+        self.launch_s = config.background_launch_ms / 1000
         self.current: BackgroundPass | None = None
         self.express: BackgroundPass | None = None
         self.host = BackgroundHostTime()  # the last step's host time on the passes
@@ -237,7 +239,7 @@ class BackgroundLane:
         if not self.busy():
             return
         launching = time.perf_counter()
-        until = began + HOST_S_PER_STEP
+        until = began + self.launch_s
         if alone:  # nothing else to run: they may take the whole step
             for running in (self.express, self.current):
                 if running is not None:
