@@ -34,7 +34,7 @@ class StreamLog:
     at it, per request (so gaps never span two)."""
 
     requests: list[list[float]] = field(default_factory=list)
-    tokens: list[list[int]] = field(default_factory=list)  # at each arrival; none kept: one a chunk
+    tokens: list[list[int]] = field(default_factory=list)  # output tokens counted at each arrival
     sent: list[float] = field(default_factory=list)  # when each request was sent
     errors: list[str] = field(default_factory=list)
 
