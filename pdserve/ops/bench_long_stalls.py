@@ -1,7 +1,10 @@
 """Which of a long prompt's chunks stall the engine thread in `long_chunk_attention`? (issue 12:
 served at 131K/262K the background pass's first attention layer held the host 142 ms at one
 chunk, 85-90 ms at another and 51 ms at the 262K prompt's last, odd-sized chunk; H100, sessions
-29 and 31). `python -m pdserve.ops.bench_long_stalls [--context 131072] [--chunk 8192]`.
+29 and 31). `python -m pdserve.ops.bench_long_stalls [--context 131072] [--chunk 8192] [--rows 4]`.
+It named the 142 ms one (session 32): the first chunk in parts (the 4th, of 8,188 tokens beside 4
+decode rows) launched the flash tail's kernels for the first time, which loads them; warm-up now
+runs whole chunks too, and session 32's served run had none of the three.
 
 One full-shape attention layer's KV pages (zeros), the engine's warm-up (`long_attention.warm_up`
 on this thread's default stream), then every chunk of a `--context`-token prompt in turn, first
