@@ -67,3 +67,23 @@ def test_a_log_is_summarized_by_kind_of_step(tmp_path) -> None:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert run.stdout.splitlines()[0] == "10 steps over 0.1 s"
+
+
+def test_background_passes_are_timed_from_start_to_end() -> None:
+    """Two passes: the first started at 0.0 s and seen ended at 0.1 s (100 ms), its 3 steps between
+    launching layers in 2 (one found 3 queued); the second started 12 ms after that end, ended
+    188 ms later, with no step between."""
+    lines = [
+        _line(0.00, 10.0, decode=4, bg_ms=3.0, bg_start_ms=2.0, bg_layers=1),
+        _line(0.02, 10.0, decode=4, bg_ms=5.0, bg_layers=2),
+        _line(0.04, 10.0, decode=4, bg_ms=0.0),
+        _line(0.06, 10.0, decode=4, bg_ms=5.0, bg_layers=2),
+        _line(0.10, 10.0, decode=4, bg_ms=1.0, bg_end_ms=1.0),
+        _line(0.112, 10.0, decode=4, bg_ms=3.0, bg_start_ms=2.0, bg_layers=1),
+        _line(0.30, 10.0, decode=4, bg_ms=1.0, bg_end_ms=1.0),
+    ]
+    found = [line for line in summarize(lines) if line.startswith("background passes")]
+    assert found == [
+        "background passes: 2, ms p50 188 / max 188; 33% of their steps launched no layer; "
+        "from one's end to the next's start ms p50 12.0"
+    ]

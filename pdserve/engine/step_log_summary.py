@@ -9,7 +9,10 @@ session (docs/benchmarks.md, sessions 15-24), so this prints it:
   - the prefix cache's traffic: hits by source, entries evicted and moved to the host tier, and
     the passes that ran right after a step that moved some (their copies share the compute stream);
   - a background pass's host time a step (`bg_ms`), where there was one, and its starts' and
-    ends' (`bg_start_ms`, `bg_end_ms`);
+    ends' (`bg_start_ms`, `bg_end_ms`); each pass from its start to its end: its wall time, the
+    share of its steps that launched none of its layers (3 already queued: the GPU sets its
+    pace; in the others the GPU may wait on the launches, `--background-launch-ms`), and the
+    time from one pass's end to the next one's start;
   - the garbage collector's pauses (`gc_ms`, `gc_full`), where the log has them;
   - the longest steps that carried decode rows (the streams' largest gaps) and what held each;
   - the CUDA allocator's cudaMalloc / cudaFree calls and retries, where there were any.
@@ -91,6 +94,7 @@ def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf
             if ms:
                 line += f"; {len(ms)} {part}s, ms p50 {quantile(ms, 0.5):.1f} / max {max(ms):.1f}"
         out.append(line)
+        out += background_passes(rows)
     paused = [r["gc_ms"] for r in rows if "gc_ms" in r]
     if paused:  # the collector's pauses: no token left the process meanwhile
         full = sum(r.get("gc_full", 0) for r in rows)
@@ -107,6 +111,34 @@ def summarize(lines: Iterable[dict], start: float = 0.0, end: float = float("inf
             f"{events['alloc_retries']} retries, in {steps} steps"
         )
     return out
+
+
+def background_passes(rows: list[dict]) -> list[str]:
+    """Each background pass from the step that started it to the one that saw it end: wall ms,
+    the share of its steps that launched no layer, and the gaps between one's end and the next's start."""
+    walls, idle_steps, steps, gaps = [], 0, 0, []
+    begun: int | None = None
+    ended: float | None = None
+    for i, r in enumerate(rows):
+        if "bg_start_ms" in r and begun is None:
+            begun = i
+            if ended is not None:
+                gaps.append(1000 * (r["t"] - ended))
+        if "bg_end_ms" in r and begun is not None and i > begun:
+            walls.append(1000 * (r["t"] - rows[begun]["t"]))
+            span = rows[begun + 1 : i]  # the steps between: the pass's layers launched in them
+            steps += len(span)
+            idle_steps += sum(not x.get("bg_layers") for x in span)
+            begun, ended = None, r["t"]
+    if not walls:
+        return []
+    line = (
+        f"background passes: {len(walls)}, ms p50 {quantile(walls, 0.5):.0f} / max {max(walls):.0f}; "
+        f"{idle_steps / max(1, steps):.0%} of their steps launched no layer"
+    )
+    if gaps:
+        line += f"; from one's end to the next's start ms p50 {quantile(gaps, 0.5):.1f}"
+    return [line]
 
 
 def longest_decode_gaps(rows: list[dict], count: int = LONGEST) -> list[str]:
