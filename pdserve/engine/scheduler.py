@@ -38,6 +38,11 @@ from pdserve.memory import GdnStatePool, KvPagePool
 TAIL_SHARE = 16  # a pass may take a short prompt's tail of up to 1/16 of the budget past it
 
 
+def longest_chunk(budget: int) -> int:
+    """The most new tokens one sequence computes in a pass at a token budget (a tail past it)."""
+    return budget + budget // TAIL_SHARE
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence

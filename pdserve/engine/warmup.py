@@ -31,7 +31,7 @@ import torch
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.resume_points import resume_suffix
-from pdserve.engine.scheduler import TAIL_SHARE
+from pdserve.engine.scheduler import longest_chunk
 from pdserve.ops import long_attention
 from pdserve.prefix_stats import PrefixStats
 from pdserve.sampling.params import SamplingParams
@@ -116,20 +116,19 @@ def warm_up(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> No
 
 
 def warm_up_long_attention(engine: LLMEngine) -> None:
-    """The long-chunk attention's plans (`ops.long_attention`, when on), for chunks of every
-    padded length up to the budget's (and a short tail past it): warm-up's prompts are too short
-    to take that path. Call it on the thread that
-    runs the steps: torch caches cuDNN's attention plans per thread (warmed on the main thread, the
-    engine thread built its own at the first long chunk: an 84-92 ms stall, H200, session 28); on
-    the default stream and on the background passes' stream, where those chunks run."""
+    """The long-chunk attention's plans and kernels (`ops.long_attention`, when on), for chunks of
+    every padded length up to the budget's (and a short tail past it): warm-up's prompts are too
+    short to take that path. Call it on the thread that runs the steps: torch caches cuDNN's
+    attention plans per thread (warmed on the main thread, the engine thread built its own at the
+    first long chunk: an 84-92 ms stall, H200, session 28); on the default stream and on the
+    background passes' stream, where those chunks run."""
     split_from = engine.config.long_attention_from
     if not split_from or engine.config.max_model_len <= split_from:
         return  # no prompt can take that path
     layers = engine.runner.model.model.layers
     attn = next(layer.self_attn for layer in layers if layer.layer_type != "linear_attention")
     background = engine.background.stream()  # a long prompt's chunks run there beside the steps
-    budget = engine.config.max_num_batched_tokens
-    longest = budget + budget // TAIL_SHARE  # a chunk may take the prompt's short tail past the budget
+    longest = longest_chunk(engine.config.max_num_batched_tokens)
     for stream in (None, background) if background is not None else (None,):
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             long_attention.warm_up(attn.kv_layer, attn.num_heads, longest)

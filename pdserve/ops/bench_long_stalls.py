@@ -24,7 +24,7 @@ import time
 import torch
 
 from pdserve.engine.background_pass import background_stream
-from pdserve.engine.scheduler import TAIL_SHARE
+from pdserve.engine.scheduler import longest_chunk
 from pdserve.ops import long_attention
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 2, 256, 16  # Qwen3.6-35B-A3B's full-attention layers
@@ -62,7 +62,7 @@ def main() -> None:
     pages = -(-args.context // PAGE)
     kv = torch.zeros(2, pages, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     table = torch.arange(pages, dtype=torch.int32, device=device)
-    longest = args.chunk + args.chunk // TAIL_SHARE  # what the engine's warm-up covers
+    longest = longest_chunk(args.chunk)  # what the engine's warm-up covers
     began = time.perf_counter()
     long_attention.warm_up(kv, HEADS, longest)
     torch.cuda.synchronize()
