@@ -1,5 +1,5 @@
 """Profile one graph-replayed decode step at the full Qwen3.6-35B-A3B shape (random bf16 weights):
-`python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--tag NAME]
+`python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--trace DIR] [--tag NAME]
 [--route-align-up-to N] [--gdn-fused-max-batch N] [--skinny-up-to N] [--skinny-splits S]
 [--variants NAME:route=N,gdn=N,gsplit=N,gwarps=N,skinny=N,splits=S ...]` (the switches set the
 decode kernels' paths for the run, gsplit and gwarps the fused GDN mixer's program shape; each
@@ -53,7 +53,14 @@ def kernel_table(prof: torch.profiler.profile, steps: int) -> tuple[float, float
     return sum(r[1] for r in rows) / 1e3, sum(r[2] for r in rows), rows
 
 
-def profile(graphs: DecodeGraphs, batch: ForwardBatch, concurrency: int, context: int, tag: str) -> dict:
+def profile(
+    graphs: DecodeGraphs,
+    batch: ForwardBatch,
+    concurrency: int,
+    context: int,
+    tag: str,
+    trace: Path | None = None,
+) -> dict:
     for _ in range(3):
         graphs.replay(batch)
     torch.cuda.synchronize()
@@ -76,6 +83,8 @@ def profile(graphs: DecodeGraphs, batch: ForwardBatch, concurrency: int, context
             graph.replay()
         torch.cuda.synchronize()
     kernel_ms, kernels, rows = kernel_table(prof, 10)
+    if trace is not None:  # every kernel of the ten steps in launch order (chrome://tracing, Perfetto)
+        prof.export_chrome_trace(str(trace / f"step-{tag}-c{concurrency}.json"))
     floor = FLOOR_MS.get(concurrency)
     print(f"\n[{tag}] c={concurrency}: wall {wall_ms:.2f} ms/step, GPU {gpu_ms:.2f} ms/step "
           f"(kernels {kernel_ms:.2f} ms, {kernels:.0f} launches), floor {floor} ms")  # fmt: skip
@@ -202,7 +211,7 @@ def run_variants(runner: ModelRunner, variants: list, base: dict[str, int], args
             logits[tag, c] = graphs.replay(batches[c]).float().cpu()
             if args.save_logits is not None:
                 torch.save(logits[tag, c], args.save_logits / f"logits_{tag}_c{c}.pt")
-            results.append(profile(graphs, batches[c], c, args.context, tag))
+            results.append(profile(graphs, batches[c], c, args.context, tag, args.trace))
         del graphs
         torch.cuda.empty_cache()
     compare_logits(logits, [t for t, _ in variants], args.concurrency)
@@ -216,6 +225,7 @@ def main() -> None:
     parser.add_argument("--tag", default="pdserve")
     parser.add_argument("--save-logits", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="append the results as JSON lines here")
+    parser.add_argument("--trace", type=Path, default=None, help="a folder for each step's kernel trace")
     parser.add_argument(
         "--route-align-up-to",
         type=int,
