@@ -2,9 +2,10 @@
 becomes a compiled grammar, its matcher follows the tokens the request gets, and each step the
 sampler masks the logits of the constrained rows to the tokens the grammar allows next.
 
-  TokenizerGrammars   xgrammar's view of a tokenizer (built once per tokenizer: ~3 s for the
-                      248k-token Qwen3.6 vocabulary) and the grammars compiled for it, one per
-                      distinct spec (an LRU of GRAMMARS_CACHED, keyed by the spec's JSON)
+  TokenizerGrammars   xgrammar's view of a tokenizer (~3.7 s to build for the 248k-token Qwen3.6
+                      vocabulary, ~0.7 s from pdserve.sampling.vocab_cache's disk cache once
+                      built) and the grammars compiled for it, one per distinct spec (an LRU
+                      of GRAMMARS_CACHED, keyed by the spec's JSON)
   RequestGrammar      one request's matcher. It accepts the output tokens it has not seen yet
                       when the next mask is asked for, so a decode instance that starts from the
                       first token a prefill instance sampled (and appended to the output) catches
@@ -40,6 +41,7 @@ from torch import Tensor
 
 from pdserve.sampling.params import SamplingParams
 from pdserve.sampling.spec import grammar_key, spec_kind
+from pdserve.sampling.vocab_cache import vocabulary_info
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,14 +59,8 @@ class TokenizerGrammars:
     """A tokenizer as xgrammar sees it, and the grammars compiled for it."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        from transformers import PreTrainedTokenizerFast
-
         self.tokenizer = tokenizer
-        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
-        stops = list(tokenizer.eos_token_ids) or None
-        self.info = xgr.TokenizerInfo.from_huggingface(
-            hf, vocab_size=tokenizer.vocab_size, stop_token_ids=stops
-        )
+        self.info = vocabulary_info(tokenizer)  # built once per tokenizer, then read from disk
         self.vocab_size = self.info.vocab_size
         threads = min(COMPILE_THREADS, os.cpu_count() or 1)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)

@@ -1,0 +1,117 @@
+"""xgrammar's vocabulary view kept on disk (pdserve.sampling.vocab_cache): built once, then read
+back as the same vocabulary (a grammar compiled on either is the same grammar); a bad or foreign
+entry is built again and replaced; an unusable folder only costs the build. One real build (~4 s
+for the Qwen3.6 vocabulary); the other tests count the builds asked for, answered by a stand-in."""
+
+from __future__ import annotations
+
+import logging
+import stat
+from pathlib import Path
+
+import pytest
+import xgrammar as xgr
+
+from pdserve.sampling import vocab_cache
+from pdserve.tokenizer import Tokenizer, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def built(tokenizer: Tokenizer) -> xgr.TokenizerInfo:
+    return vocab_cache.build_info(tokenizer)
+
+
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch, built: xgr.TokenizerInfo) -> list[Tokenizer]:
+    """Each build the cache asks for, answered with the module's real one."""
+    calls: list[Tokenizer] = []
+
+    def build(tokenizer: Tokenizer) -> xgr.TokenizerInfo:
+        calls.append(tokenizer)
+        return built
+
+    monkeypatch.setattr(vocab_cache, "build_info", build)
+    return calls
+
+
+def same_vocabulary(a: xgr.TokenizerInfo, b: xgr.TokenizerInfo) -> bool:
+    fields = ("vocab_size", "vocab_type", "add_prefix_space", "stop_token_ids", "special_token_ids")
+    if any(getattr(a, f) != getattr(b, f) for f in fields) or a.decoded_vocab != b.decoded_vocab:
+        return False
+    json_a, json_b = (
+        xgr.GrammarCompiler(i, cache_enabled=False).compile_builtin_json_grammar() for i in (a, b)
+    )
+    return json_a.serialize_json() == json_b.serialize_json()
+
+
+def test_built_once_then_read_back_as_the_same_vocabulary(
+    tokenizer: Tokenizer, built: xgr.TokenizerInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    first = vocab_cache.vocabulary_info(tokenizer)  # a real build, written
+    folder = tmp_path / "cache" / "xgrammar"
+    assert [p.name for p in folder.iterdir()] == [f"{vocab_cache.cache_key(tokenizer)}.json"]
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    monkeypatch.setattr(vocab_cache, "build_info", lambda t: pytest.fail("built again"))
+    again = vocab_cache.vocabulary_info(tokenizer)
+    assert same_vocabulary(first, built) and same_vocabulary(again, built)
+
+
+def test_a_bad_entry_is_built_again_and_replaced(
+    tokenizer: Tokenizer, builds: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    path = tmp_path / "xgrammar" / f"{vocab_cache.cache_key(tokenizer)}.json"
+    path.parent.mkdir(mode=0o700)
+    path.write_text('{"half": ')
+    with caplog.at_level(logging.WARNING, logger=vocab_cache.__name__):
+        vocab_cache.vocabulary_info(tokenizer)
+    assert len(builds) == 1 and "unreadable" in caplog.text
+    vocab_cache.vocabulary_info(tokenizer)  # the replacement is read
+    assert len(builds) == 1 and [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_an_entry_of_another_vocabulary_is_not_used(
+    tokenizer: Tokenizer,
+    built: xgr.TokenizerInfo,
+    builds: list,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    fewer_stops = Tokenizer(tokenizer.backend, tokenizer.eos_token_ids[:1], tokenizer.chat_template)
+    assert vocab_cache.cache_key(fewer_stops) != vocab_cache.cache_key(tokenizer)
+    path = tmp_path / "xgrammar" / f"{vocab_cache.cache_key(fewer_stops)}.json"
+    path.parent.mkdir(mode=0o700)
+    path.write_text(built.serialize_json())  # stop ids of the full tokenizer under the other's key
+    vocab_cache.vocabulary_info(fewer_stops)
+    assert builds == [fewer_stops]
+
+
+@pytest.mark.parametrize("where", ["a link", "a file"])
+def test_no_usable_folder_only_costs_the_build(
+    where: str, tokenizer: Tokenizer, builds: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "root").mkdir()
+    target = tmp_path / "root" / "xgrammar"
+    if where == "a link":
+        target.symlink_to(tmp_path / "real")
+    else:
+        target.write_text("not a folder")
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "root"))
+    vocab_cache.vocabulary_info(tokenizer)
+    vocab_cache.vocabulary_info(tokenizer)
+    assert len(builds) == 2 and not list((tmp_path / "real").iterdir())
+
+
+def test_the_folder_is_the_tiny_models_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    assert vocab_cache.cache_dir() == tmp_path / "xgrammar"
+    monkeypatch.delenv("PDSERVE_CACHE")
+    assert vocab_cache.cache_dir() == Path.home() / ".cache" / "pdserve" / "xgrammar"
