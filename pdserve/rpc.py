@@ -20,14 +20,13 @@ A failing handler never takes the server down. A client that cancels a stream (o
 generator early) cancels the call; the server handler then sees `CancelledError` or
 `GeneratorExit` at the point where it waits.
 
-Every server also answers `pdserve.Rpc/Ping` (used by `RpcClient.ping` and by the container
-healthchecks: `python -m pdserve.rpc HOST:PORT` exits 0 when the server answers).
-
-The internal secret (`pdserve.internal_auth`; `secret=` of server and client, by default
-`load_internal_secret()`, None: no auth): a client sends it with every call; a server that has
-one refuses any call without it with UNAUTHENTICATED before the handler runs. Ping stays open
-for healthchecks and tells only the service and method names (public in the source). A client
-hands its secret to every server it calls: dial only addresses from the signed registry.
+Every server also answers `pdserve.Rpc/Ping` (`RpcClient.ping`; the container healthchecks'
+`python -m pdserve.rpc HOST:PORT` exits 0 when the server answers). The internal secret
+(`pdserve.internal_auth`; `secret=` of server and client, by default `load_internal_secret()`,
+None: no auth): a client sends it with every call; a server that has one refuses any call
+without it with UNAUTHENTICATED before the handler runs. Ping stays open for healthchecks and
+tells only the service and method names (public in the source). A client hands its secret to
+every server it calls: dial only addresses from the signed registry.
 """
 
 from __future__ import annotations
@@ -49,9 +48,8 @@ log = logging.getLogger("pdserve.rpc")
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 PING_SERVICE = "pdserve.Rpc"
-# keepalive: ping an idle connection every 2 s and give up on a connection whose ping (any
-# ping) goes unanswered for 2 s, so a dead peer (a crashed or frozen process, a pulled cable)
-# fails the calls on it within about 4 s
+# keepalive: ping an idle connection every 2 s and give up on one whose ping goes unanswered
+# for 2 s: a dead peer (a crashed or frozen process, a pulled cable) fails its calls within ~4 s
 _COMMON_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -288,12 +286,12 @@ async def _ping_main(address: str, timeout: float) -> int:
     client = RpcClient(address, PING_SERVICE, secret=None)  # Ping is open
     try:
         print(await client.ping(timeout))
-        return 0
     except RpcError as e:
         print(e, file=sys.stderr)
         return 1
     finally:
         await client.close()
+    return 0
 
 
 if __name__ == "__main__":  # python -m pdserve.rpc HOST:PORT  (a healthcheck)

@@ -13,13 +13,12 @@ Each step:
      (finished, released, aborted) with its whole prompt in its state leaves its slot and
      pages to the cache as an entry (no copy); cache entries are evicted before anything
      running is preempted, for pages and for state slots (a checkpoint is a state slot).
-     Sequences in `fetching` (their prefix is being pulled from a peer) wait, and later ones
-     pass them, as do those waiting one pass for a checkpoint of the prefix they share with a
-     prompt in it (`pdserve.engine.burst_sharing`).
-A sequence samples a token only in the step that brings it to its last token.
-
-Hand-over states (disaggregated serving: HELD with a lease on the prefill side, RECEIVING on
-the decode side) are `pdserve.engine.handover_states.HandoverStates`, a base of `Scheduler`.
+     Sequences in `fetching` (their prefix pulled from a peer) wait, and later ones pass them,
+     as do those waiting one pass for a checkpoint of the prefix they share with a prompt in
+     it (`pdserve.engine.burst_sharing`).
+A sequence samples a token only in the step that brings it to its last token. Hand-over
+states (disaggregated serving: HELD with a lease on the prefill side, RECEIVING on the decode
+side) are `pdserve.engine.handover_states.HandoverStates`, a base of `Scheduler`.
 """
 
 from __future__ import annotations
@@ -92,8 +91,7 @@ class Scheduler(HandoverStates):
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         # decoding sequences first (a token each), then chunks of prompts still prefilling: a long
-        # prompt never holds the decode batch back for the steps its chunks take
-        # (a sequence whose chunk runs as a background pass sits this step out, and is no victim)
+        # prompt never holds the decode batch back (one in a background pass sits out, no victim)
         order = sorted(
             (s for s in self.running if not s.in_background),
             key=lambda s: s.num_tokens - s.num_computed_tokens > 1,
