@@ -6,6 +6,7 @@ for the Qwen3.6 vocabulary); the other tests count the builds asked for, answere
 from __future__ import annotations
 
 import logging
+import os
 import stat
 from pathlib import Path
 
@@ -91,6 +92,24 @@ def test_an_entry_of_another_vocabulary_is_not_used(
     path.write_text(built.serialize_json())  # stop ids of the full tokenizer under the other's key
     vocab_cache.vocabulary_info(fewer_stops)
     assert builds == [fewer_stops]
+
+
+def test_the_entries_used_last_are_kept(
+    tokenizer: Tokenizer, builds: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    folder = tmp_path / "xgrammar"
+    folder.mkdir(mode=0o700)
+    for age in range(vocab_cache.KEPT):  # other tokenizers' entries, the first the oldest
+        (folder / f"other{age}.json").write_text("{}")
+        os.utime(folder / f"other{age}.json", (1000.0 - age, 1000.0 - age))
+    vocab_cache.vocabulary_info(tokenizer)  # a new entry: the oldest other one goes
+    kept = sorted(p.name for p in folder.iterdir())
+    mine = f"{vocab_cache.cache_key(tokenizer)}.json"
+    assert kept == sorted([mine] + [f"other{age}.json" for age in range(vocab_cache.KEPT - 1)])
+    os.utime(folder / mine, (1.0, 1.0))  # as if long unused: a read makes it the newest again
+    vocab_cache.vocabulary_info(tokenizer)
+    assert len(builds) == 1 and (folder / mine).stat().st_mtime > 1000.0
 
 
 @pytest.mark.parametrize("where", ["a link", "a file"])

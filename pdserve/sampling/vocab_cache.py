@@ -14,11 +14,12 @@ ids and xgrammar's version: a tokenizer edited in place, or another xgrammar, ge
 own. Entries are written whole (a temporary file, then a rename: engines starting together may
 each write it, every reader sees one complete file). A file that does not read back as the same
 vocabulary (size, stop ids) is built again and replaced; a cache that cannot be read or written
-only costs the build.
+only costs the build. The KEPT entries read or written last stay, older ones are removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import logging
@@ -33,6 +34,7 @@ import xgrammar as xgr
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+KEPT = 8  # entries (~9 MB each for Qwen3.6): another tokenizer, or an xgrammar upgrade, adds one
 
 
 def cache_dir() -> Path:
@@ -83,6 +85,7 @@ def _read(path: Path, tokenizer: Tokenizer) -> xgr.TokenizerInfo | None:
 
 
 def _write(path: Path, info: xgr.TokenizerInfo) -> None:
+    tmp = ""
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as out:
@@ -90,6 +93,20 @@ def _write(path: Path, info: xgr.TokenizerInfo) -> None:
         os.replace(tmp, path)
     except OSError as e:
         log.warning("xgrammar vocabulary cache: could not write %s (%s)", path, e)
+        if tmp:  # a half-written file (a full disk)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    _prune(path.parent)
+
+
+def _prune(folder: Path) -> None:
+    """Keep the KEPT entries used last (a read touches its entry); drop the rest."""
+    try:
+        entries = sorted(folder.glob("*.json"), key=lambda e: e.stat().st_mtime, reverse=True)
+        for stale in entries[KEPT:]:
+            stale.unlink()
+    except OSError:  # another process pruned first
+        pass
 
 
 def vocabulary_info(tokenizer: Tokenizer) -> xgr.TokenizerInfo:
@@ -101,6 +118,8 @@ def vocabulary_info(tokenizer: Tokenizer) -> xgr.TokenizerInfo:
     start = time.monotonic()
     info = _read(path, tokenizer)
     if info is not None:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used: the last to be pruned
         log.info("xgrammar vocabulary read from %s (%.1f s)", path, time.monotonic() - start)
         return info
     info = build_info(tokenizer)
