@@ -8,7 +8,8 @@ median (`triton.testing.do_bench`), checked against the default tiles' output; t
 `_grouped_mm` is timed beside them. Prints, per T, each tile's time and TFLOP/s, the best first.
 T <= 64 (`python -m pdserve.ops.bench_moe_tiles 4 16 32`): decode's tiles, each GEMM's swept apart;
 65 <= T < 1,024 (`... 128 256 512`): a short pass's, 16- to 64-row tiles (the default switches from
-16 to 64 rows above 4 pairs an expert, ~114 tokens).
+16 to 64 rows above 4 pairs an expert, ~114 tokens). `--grouped-mm-parts`: torch._grouped_mm's
+time part by part beside the Triton kernel's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from triton.testing import do_bench
 
 from pdserve.ops import cuda_moe
@@ -154,6 +156,46 @@ def sweep_down(tokens: int) -> None:
         print(f"  {ms * 1e3:9.1f} us  {name}")
 
 
+def grouped_mm_parts(tokens: int) -> None:
+    """Where `torch._grouped_mm`'s MoE time goes at T tokens, part by part (rows already routed):
+    is CUTLASS's grouped GEMM, without the gathers and the elementwise work around it, faster than
+    the Triton kernel's two GEMMs? (Session 11 timed only the whole: 2,211 us at 8,192 tokens on the
+    H200 against the Triton kernel's 1,523.)"""
+    torch.manual_seed(tokens)
+    w13, w2 = rand(E, 2 * INTER, HIDDEN) * 0.02, rand(E, HIDDEN, INTER) * 0.04
+    x = rand(tokens, HIDDEN)
+    weights, ids = torch.randn(tokens, E, device="cuda").softmax(-1).topk(TOPK, dim=-1)
+    weights = weights.to(torch.bfloat16)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E).to(torch.int32)
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    rows = x.index_select(0, order // TOPK)
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    gate_up = torch._grouped_mm(rows, w13_t, offs=offsets)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = F.silu(gate) * up
+    down = torch._grouped_mm(hidden, w2_t, offs=offsets)
+    pairs = tokens * TOPK
+    gemm = pairs * INTER * HIDDEN * 2  # FLOPs of one [pairs, 512] x [512, 2048] product
+    scaled = weights.flatten()[order, None]
+    parts = [
+        ("sort + offsets", lambda: (torch.argsort(flat, stable=True), torch.bincount(flat, minlength=E)), 0),
+        ("gather rows", lambda: x.index_select(0, order // TOPK), 0),
+        ("gate/up GEMM", lambda: torch._grouped_mm(rows, w13_t, offs=offsets), 2 * gemm),
+        ("silu * up", lambda: F.silu(gate) * up, 0),
+        ("down GEMM", lambda: torch._grouped_mm(hidden, w2_t, offs=offsets), gemm),
+        ("weights + scatter", lambda: torch.empty_like(down).index_copy_(0, order, down * scaled), 0),
+        ("Triton, whole", lambda: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids), 3 * gemm),
+    ]
+    print(f"\nT={tokens}: torch._grouped_mm by part (do_bench medians)")
+    for name, run, flops in parts:
+        ms = do_bench(run, rep=50)
+        tflops = flops / ms / 1e9
+        rate = f"  {tflops:6.1f} TFLOP/s ({100 * tflops / (BF16_FLOPS / 1e12):4.1f}%)" if flops else ""
+        print(f"  {ms * 1e3:9.1f} us  {name}{rate}")
+
+
 def _timed(run: Callable[[], torch.Tensor], want: torch.Tensor, label: str) -> tuple[float, float] | None:
     """(ms, max error relative to want's largest value) of one tile's run; None, said, for a tile
     that does not compile (shared memory)."""
@@ -174,9 +216,12 @@ def main() -> None:
     parser.add_argument("tokens", nargs="*", type=int, default=[1024, 4096, 8192, 16384])
     parser.add_argument("--down", action="store_true", help="sweep the down GEMM's tile alone")
     parser.add_argument("--tiers", action="store_true", help="the pass's tile with TIERS 0, 1, 2")
+    parser.add_argument("--grouped-mm-parts", action="store_true", help="torch._grouped_mm's time by part")
     args = parser.parse_args()
     for tokens in args.tokens:
-        if tokens <= 64:
+        if args.grouped_mm_parts:
+            grouped_mm_parts(tokens)
+        elif tokens <= 64:
             sweep_decode(tokens)
         elif tokens < 1024 and not (args.down or args.tiers):
             sweep(tokens, SHORT_PASS_TILES)
