@@ -135,9 +135,10 @@ def warm_up_long_attention(engine: LLMEngine) -> None:
 
 
 def warm_up_grammars(engine: LLMEngine, progress: Callable[[str], None] = log.info) -> None:
-    """Structured outputs' view of the vocabulary (xgrammar's TokenizerInfo), built before a
-    service takes requests, on every device: ~3 s on a 2-core machine, most of it native code that
-    holds the GIL (the service's event loop stalled ~1 s at a time). Built by the first structured
+    """Structured outputs' view of the vocabulary (xgrammar's TokenizerInfo), made before a
+    service takes requests, on every device: built, ~3.7 s on a 2-core machine, most of it native
+    code that holds the GIL (the service's event loop stalled ~1 s at a time), or read back from
+    pdserve.sampling.vocab_cache's disk cache in ~0.7 s. Built by the first structured
     request instead, on the engine thread, it stalled the loop long enough (7.7 s, CPU) for the
     instance's heartbeat to expire: the router dropped it and answered 503."""
     if engine.tokenizer is None:
