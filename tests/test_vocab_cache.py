@@ -63,6 +63,15 @@ def test_built_once_then_read_back_as_the_same_vocabulary(
     assert same_vocabulary(first, built) and same_vocabulary(again, built)
 
 
+def test_an_entry_is_utf8_whatever_the_locale(
+    tokenizer: Tokenizer, built: xgr.TokenizerInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    vocab_cache._write(tmp_path / "entry.json", built)  # the vocabulary holds non-ASCII text
+    assert (tmp_path / "entry.json").read_bytes().decode("utf-8") == built.serialize_json()
+    assert same_vocabulary(vocab_cache._read(tmp_path / "entry.json", tokenizer), built)
+
+
 def test_a_bad_entry_is_built_again_and_replaced(
     tokenizer: Tokenizer, builds: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
@@ -100,7 +109,7 @@ def test_the_entries_used_last_are_kept(
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     folder = tmp_path / "xgrammar"
     folder.mkdir(mode=0o700)
-    for age in range(vocab_cache.KEPT):  # other tokenizers' entries, the first the oldest
+    for age in range(vocab_cache.KEPT):  # other tokenizers' entries, other0 the newest
         (folder / f"other{age}.json").write_text("{}")
         os.utime(folder / f"other{age}.json", (1000.0 - age, 1000.0 - age))
     vocab_cache.vocabulary_info(tokenizer)  # a new entry: the oldest other one goes
@@ -112,21 +121,29 @@ def test_the_entries_used_last_are_kept(
     assert len(builds) == 1 and (folder / mine).stat().st_mtime > 1000.0
 
 
-@pytest.mark.parametrize("where", ["a link", "a file"])
+@pytest.mark.parametrize("where", ["a link", "a file", "writable by others", "another user's"])
 def test_no_usable_folder_only_costs_the_build(
     where: str, tokenizer: Tokenizer, builds: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "real").mkdir(mode=0o700)
     (tmp_path / "root").mkdir()
     target = tmp_path / "root" / "xgrammar"
     if where == "a link":
+        (tmp_path / "real").mkdir(mode=0o700)
         target.symlink_to(tmp_path / "real")
-    else:
+    elif where == "a file":
         target.write_text("not a folder")
+    else:
+        target.mkdir(mode=0o700)
+        if where == "writable by others":
+            target.chmod(0o777)
+        else:
+            uid = os.getuid()
+            monkeypatch.setattr(vocab_cache.os, "getuid", lambda: uid + 1)
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "root"))
     vocab_cache.vocabulary_info(tokenizer)
     vocab_cache.vocabulary_info(tokenizer)
-    assert len(builds) == 2 and not list((tmp_path / "real").iterdir())
+    written = list(tmp_path.rglob("*.json"))
+    assert len(builds) == 2 and not written
 
 
 def test_the_folder_is_the_tiny_models_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

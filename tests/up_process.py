@@ -86,7 +86,8 @@ def seed_vocab_cache(cache: Path) -> None:
     if built.is_dir() and not target.exists():
         target.mkdir(mode=0o700, parents=True)
         for entry in built.glob("*.json"):
-            shutil.copyfile(entry, target / entry.name)
+            with contextlib.suppress(FileNotFoundError):  # pruned by an engine meanwhile
+                shutil.copyfile(entry, target / entry.name)
 
 
 class UpProcess:

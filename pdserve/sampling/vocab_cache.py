@@ -8,13 +8,15 @@ JSON (~9 MB) it takes ~0.35 s, and keying it as much again.
     info = vocabulary_info(tokenizer)   # read from the cache, or built and written there
 
 Where: `xgrammar/` (made with mode 0700) in `$PDSERVE_CACHE`, else in `~/.cache/pdserve` (where
-the embedded tiny model goes too, pdserve.tiny); a folder that is a link, or another user's, is
-not used. The key is a SHA-256 of the tokenizer's serialized form, the vocabulary size, the stop
-ids and xgrammar's version: a tokenizer edited in place, or another xgrammar, gets an entry of its
-own. Entries are written whole (a temporary file, then a rename: engines starting together may
-each write it, every reader sees one complete file). A file that does not read back as the same
-vocabulary (size, stop ids) is built again and replaced; a cache that cannot be read or written
-only costs the build. The KEPT entries read or written last stay, older ones are removed.
+the embedded tiny model goes too, pdserve.tiny); a folder that is a link, another user's, or one
+that others may write to is not used (an entry decides which tokens a grammar allows). The key is
+a SHA-256 of the tokenizer's serialized form, the vocabulary size, the stop ids and the versions
+of xgrammar, transformers and tokenizers: a tokenizer edited in place, or an upgrade, gets an
+entry of its own. Entries are UTF-8 whatever the locale, and written whole (a temporary file,
+then a rename: engines starting together may each write one, every reader sees a complete
+file). A file that does not read back as the same vocabulary (size, stop ids) is built again and
+replaced; a cache that cannot be read or written only costs the build. The KEPT entries read or
+written last stay, older ones are removed.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 KEPT = 8  # entries (~9 MB each for Qwen3.6): another tokenizer, or an xgrammar upgrade, adds one
+BUILT_BY = ("xgrammar", "transformers", "tokenizers")  # their versions are part of the key
 
 
 def cache_dir() -> Path:
@@ -43,20 +46,24 @@ def cache_dir() -> Path:
 
 
 def _usable(folder: Path) -> bool:
-    """Make `folder` (mode 0700) if it is missing; whether it is a real folder of this user."""
+    """Make `folder` (mode 0700) if it is missing; whether it is a real folder of this user that
+    no one else may write to (an entry decides which tokens a grammar allows)."""
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = folder.lstat()
     except OSError:
         return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+    private = stat.S_IMODE(info.st_mode) & 0o022 == 0
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and private
 
 
 def cache_key(tokenizer: Tokenizer) -> str:
-    """What an entry is valid for: the tokenizer, its vocabulary size and stop ids, xgrammar."""
+    """What an entry is valid for: the tokenizer, its vocabulary size and stop ids, and the
+    versions of what builds it (xgrammar, through transformers' wrapper of the tokenizer)."""
     digest = hashlib.sha256(tokenizer.backend.to_str().encode())
     stops = ",".join(map(str, sorted(tokenizer.eos_token_ids)))
-    digest.update(f"|{tokenizer.vocab_size}|{stops}|{importlib.metadata.version('xgrammar')}".encode())
+    versions = ",".join(importlib.metadata.version(p) for p in BUILT_BY)
+    digest.update(f"|{tokenizer.vocab_size}|{stops}|{versions}".encode())
     return digest.hexdigest()
 
 
@@ -71,7 +78,7 @@ def build_info(tokenizer: Tokenizer) -> xgr.TokenizerInfo:
 
 def _read(path: Path, tokenizer: Tokenizer) -> xgr.TokenizerInfo | None:
     try:
-        info = xgr.TokenizerInfo.deserialize_json(path.read_text())
+        info = xgr.TokenizerInfo.deserialize_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RuntimeError) as e:  # unreadable, or not an entry
@@ -88,10 +95,10 @@ def _write(path: Path, info: xgr.TokenizerInfo) -> None:
     tmp = ""
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as out:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(info.serialize_json())
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: text the file's encoding cannot hold
         log.warning("xgrammar vocabulary cache: could not write %s (%s)", path, e)
         if tmp:  # a half-written file (a full disk)
             with contextlib.suppress(OSError):
@@ -100,11 +107,13 @@ def _write(path: Path, info: xgr.TokenizerInfo) -> None:
 
 
 def _prune(folder: Path) -> None:
-    """Keep the KEPT entries used last (a read touches its entry); drop the rest."""
+    """Keep the KEPT entries used last (a read touches its entry); drop the rest, and the
+    temporary files of writers killed mid-write (an hour old)."""
     try:
         entries = sorted(folder.glob("*.json"), key=lambda e: e.stat().st_mtime, reverse=True)
-        for stale in entries[KEPT:]:
-            stale.unlink()
+        stale = entries[KEPT:] + [t for t in folder.glob("*.tmp") if time.time() - t.stat().st_mtime > 3600]
+        for entry in stale:
+            entry.unlink()
     except OSError:  # another process pruned first
         pass
 
