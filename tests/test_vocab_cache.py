@@ -146,6 +146,18 @@ def test_no_usable_folder_only_costs_the_build(
     assert len(builds) == 2 and not written
 
 
+def test_no_home_folder_only_costs_the_build(
+    tokenizer: Tokenizer, builds: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("PDSERVE_CACHE", raising=False)
+    monkeypatch.setattr(vocab_cache.Path, "home", staticmethod(no_home))
+    vocab_cache.vocabulary_info(tokenizer)
+    assert len(builds) == 1
+
+
 def test_the_folder_is_the_tiny_models_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     assert vocab_cache.cache_dir() == tmp_path / "xgrammar"

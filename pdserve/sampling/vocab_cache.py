@@ -120,7 +120,10 @@ def _prune(folder: Path) -> None:
 
 def vocabulary_info(tokenizer: Tokenizer) -> xgr.TokenizerInfo:
     """`tokenizer`'s TokenizerInfo: from the disk cache when it holds it, else built (and kept)."""
-    folder = cache_dir()
+    try:
+        folder = cache_dir()
+    except RuntimeError:  # no home folder (a uid without a passwd entry) and no PDSERVE_CACHE
+        return build_info(tokenizer)
     if not _usable(folder):
         return build_info(tokenizer)
     path = folder / f"{cache_key(tokenizer)}.json"
