@@ -126,9 +126,9 @@ def test_not_built_fields_are_refused(
     server: str, path: str, fields: dict, param: str | None, stream: bool
 ) -> None:
     body = {**(CHAT_OK if path == CHAT_PATH else COMPLETION_OK), "stream": stream, **fields}
-    # a field that passes is answered: the first structured request builds xgrammar's view of the
-    # vocabulary (this LocalBackend stack has no service warm-up; 2.8 s alone on the 2-core CI
-    # machine, past httpx's 5 s default with the other worker busy)
+    # a field that passes is answered: the first structured request makes xgrammar's view of the
+    # vocabulary (this LocalBackend stack has no service warm-up; built, 2.8 s alone on the 2-core
+    # CI machine, past httpx's 5 s default with the other worker busy; less once on disk)
     response = httpx.post(server + path, json=body, timeout=60)
     if param is None:
         assert response.status_code == 200, response.text
