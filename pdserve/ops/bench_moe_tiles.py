@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from pdserve.ops import cuda_moe
+from pdserve.ops import cuda_moe, cuda_route
 from pdserve.ops.bench_ops import BF16_FLOPS, HIDDEN, INTER, TOPK, E, rand
 
 TILES = [
@@ -187,6 +187,19 @@ def grouped_mm_parts(tokens: int) -> None:
         ("down GEMM", lambda: torch._grouped_mm(hidden, w2_t, offs=offsets), gemm),
         ("weights + scatter", lambda: torch.empty_like(down).index_copy_(0, order, down * scaled), 0),
         ("Triton, whole", lambda: cuda_moe.fused_moe_triton(x, w13, w2, weights, ids), 3 * gemm),
+    ]
+    cfg = cuda_moe._block_config(pairs, E)  # the Triton kernel's GEMMs alone, on its own row layout
+    pair_of_row = cuda_route.align_pairs(ids, E, cfg["BLOCK_M"])
+    flat_weights = weights.flatten().contiguous()
+
+    def triton_gemm(a: torch.Tensor, w: torch.Tensor, gate_up: bool) -> Callable[[], torch.Tensor]:
+        return lambda: cuda_moe.moe_gemm(a, w, pair_of_row, ids, flat_weights, cfg, gate_up)
+
+    act = triton_gemm(x, w13, True)()
+    parts += [
+        ("Triton alignment", lambda: cuda_route.align_pairs(ids, E, cfg["BLOCK_M"]), 0),
+        ("Triton gate/up + silu", triton_gemm(x, w13, True), 2 * gemm),
+        ("Triton down + weights", triton_gemm(act, w2, False), gemm),
     ]
     print(f"\nT={tokens}: torch._grouped_mm by part (do_bench medians)")
     for name, run, flops in parts:

@@ -177,11 +177,10 @@ def fused_moe_triton(
     cfg_down defaults to cfg and must keep its BLOCK_M: both GEMMs read one row layout). `pair_of_row`:
     the ids' row layout for cfg's BLOCK_M when the caller has it (`route_align`)."""
     num_tokens, hidden = x.shape
-    num_experts, inter = w2.shape[0], w2.shape[2]
-    top_k = topk_ids.shape[1]
+    num_experts, top_k = w2.shape[0], topk_ids.shape[1]
     cfg = cfg or _block_config(num_tokens * top_k, num_experts)
     cfg_down = cfg_down or cfg
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    block_m = cfg["BLOCK_M"]
     if cfg_down["BLOCK_M"] != block_m:
         raise ValueError(f"fused_moe_triton: cfg_down BLOCK_M {cfg_down['BLOCK_M']} != cfg's {block_m}")
     if pair_of_row is None:
@@ -189,25 +188,36 @@ def fused_moe_triton(
     elif pair_of_row.shape != (padded_rows(topk_ids.numel(), num_experts, block_m),):
         shape = tuple(pair_of_row.shape)
         raise ValueError(f"fused_moe_triton: pair_of_row {shape} is not a layout for BLOCK_M {block_m}")
-    num_blocks = pair_of_row.shape[0] // block_m
     x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), topk_ids.contiguous()
     weights = topk_weights.contiguous().flatten()
-    ieee = x.dtype == torch.float32
-    hidden_act = torch.empty(pair_of_row.shape[0], inter, dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(num_blocks * triton.cdiv(inter, block_n),)](
-        x, w13, hidden_act, pair_of_row, ids, weights,
-        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), hidden_act.stride(0), top_k, num_blocks,
-        GATE_UP=True, IEEE=ieee, **{"GROUP_M": 0, "TIERS": 0, **cfg},
-    )  # fmt: skip
-    per_pair = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm_kernel[(num_blocks * triton.cdiv(hidden, cfg_down["BLOCK_N"]),)](
-        hidden_act, w2, per_pair, pair_of_row, ids, weights,
-        hidden, inter, hidden_act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), top_k,
-        num_blocks,
-        GATE_UP=False, IEEE=ieee, **{"GROUP_M": 0, "TIERS": 0, **cfg_down},
-    )  # fmt: skip
+    hidden_act = moe_gemm(x, w13, pair_of_row, ids, weights, cfg, gate_up=True)
+    per_pair = moe_gemm(hidden_act, w2, pair_of_row, ids, weights, cfg_down, gate_up=False)
     per_pair = per_pair.view(num_tokens, top_k, hidden)
     return per_pair.sum(dim=1, dtype=torch.float32).to(x.dtype) if reduce else per_pair
+
+
+def moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    pair_of_row: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    cfg: dict[str, int],
+    gate_up: bool,
+) -> torch.Tensor:
+    """One of `fused_moe_triton`'s two GEMMs (contiguous operands; ids [T, K], weights flat [T * K]):
+    gate_up, a = x [T, H] and w = w13 -> the SiLU-gated intermediate by padded row [R, I]; else
+    a = that intermediate and w = w2 -> each pair's weighted row [T * K, H]."""
+    num_blocks = pair_of_row.shape[0] // cfg["BLOCK_M"]
+    n = w.shape[1] // 2 if gate_up else w.shape[1]
+    rows = pair_of_row.shape[0] if gate_up else ids.numel()
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    _moe_gemm_kernel[(num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)](
+        a, w, out, pair_of_row, ids, weights,
+        n, w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0), ids.shape[1], num_blocks,
+        GATE_UP=gate_up, IEEE=a.dtype == torch.float32, **{"GROUP_M": 0, "TIERS": 0, **cfg},
+    )  # fmt: skip
+    return out
 
 
 def fused_moe_grouped_mm(
