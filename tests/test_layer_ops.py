@@ -150,3 +150,21 @@ def test_sparse_moe_matches_transformers(shared: int) -> None:
         want = theirs(x[None])[0]
     assert parts.shape == (13, 4, 32)
     torch.testing.assert_close(parts.sum(dim=1), want, **TOL)
+
+
+def test_routed_moe_routes_router_partials_as_their_rounded_sum() -> None:
+    """Router logits handed over as fp32 split-K partial sums [T, S, E + 1] (the decode path of
+    `pdserve.ops.linear.router_logits`) route as their sum rounded to x's dtype; other ranks are a
+    ValueError naming the shape."""
+    from pdserve.ops.moe import routed_moe
+
+    tokens, hidden, inter, experts, top_k = 5, 32, 16, 8, 2
+    x = torch.randn(tokens, hidden).bfloat16()
+    w13 = (torch.randn(experts + 1, 2 * inter, hidden) * 0.2).bfloat16()
+    w2 = (torch.randn(experts + 1, hidden, inter) * 0.2).bfloat16()
+    parts = torch.randn(tokens, 3, experts + 1)
+    got = routed_moe(x, parts, w13, w2, experts, top_k, reduce=False)
+    want = routed_moe(x, parts.sum(dim=1).bfloat16(), w13, w2, experts, top_k, reduce=False)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"router_logits \(5, 1, 3, 9\)"):
+        routed_moe(x, parts[:, None], w13, w2, experts, top_k)

@@ -254,3 +254,28 @@ def test_skinny_projections_equal_cublas(tokens: int, monkeypatch: pytest.Monkey
     cpu = ref.add_rms_norm(parts.cpu(), x.cpu(), norm_w.cpu(), 1e-6)
     for g, w, c in zip(got, want, cpu, strict=True):
         assert rel_err(g, w) < 4e-3 and rel_err(g, c.to(DEVICE)) < 4e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 32])
+def test_router_partials_route_as_the_product(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the router's split-K partials on (`pdserve.ops.linear.ROUTER_UP_TO`), routing them gives
+    the experts and weights of routing F.linear's bf16 logits (one program or route + align), at the
+    Qwen3.6 router's shape ([E + 1 rounded up to 16, H]): both add in fp32 and round once to bf16,
+    so they differ only where a sum lies within its summation-order error of a rounding boundary."""
+    from pdserve.ops import cuda_route, cuda_route_align, linear
+
+    monkeypatch.setattr(linear, "ROUTER_UP_TO", 32)
+    dtype = torch.bfloat16
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=dtype)
+    router = torch.randn(272, HIDDEN, device=DEVICE, dtype=dtype) * 0.5
+    parts = linear.router_logits(x, router)[..., : E + 1]
+    assert parts.shape == (tokens, linear.ROUTER_SPLITS, E + 1) and parts.dtype == torch.float32
+    logits = torch.nn.functional.linear(x, router)[:, : E + 1]
+    assert rel_err(parts.sum(dim=1), logits.float()) < 4e-3
+    weights, ids = cuda_route.route_topk(parts, E, K, dtype)
+    want_w, want_ids = cuda_route.route_topk(logits, E, K)
+    assert torch.equal(ids.sort(dim=1).values, want_ids.sort(dim=1).values)
+    assert weights.dtype == dtype and rel_err(weights.sort(dim=1).values, want_w.sort(dim=1).values) < 8e-3
+    aligned_w, aligned_ids, rows = cuda_route_align.route_align(parts, E, K, 16, dtype)
+    assert torch.equal(aligned_ids, ids) and rel_err(aligned_w, weights) < 4e-3
+    assert torch.equal(rows, cuda_route.align_pairs(ids, E + 1, 16))

@@ -67,17 +67,21 @@ KERNELS = {
         {"GATE_UP": False, **moe_tile(36, 257), "IEEE": False},
         4,
     ),
-    "route_topk": (
-        cuda_route._route_topk_kernel,
-        {**ROUTES, "stride_lt": "i32", "E": "i32", "SHARED_ID": "i32"},
-        ROUTE_K,
-        2,
-    ),
+    **{
+        f"route_topk_splits{splits}": (
+            cuda_route._route_topk_kernel,
+            {**ROUTES, "logits_ptr": "*bf16" if splits == 1 else "*fp32",
+             **dict.fromkeys(["stride_lt", "stride_ls", "E", "SHARED_ID"], "i32")},
+            {**ROUTE_K, "SPLITS": splits},
+            2,
+        )
+        for splits in (1, 4)
+    },
     "route_align": (
         cuda_route_align._route_align_kernel,
-        {**ROUTES, "pair_of_row_ptr": "*i64", "scratch_ptr": "*i32", "stride_lt": "i32", "num_tokens": "i32",
-         "num_rows": "i32", "E": "i32", "num_aligned": "i32"},
-        {**ROUTE_K, "T_PAD": 32, "BLOCK_M": 16, "P_PAD": 512, "A_PAD": 512, "FILL": 1024},
+        {**ROUTES, "pair_of_row_ptr": "*i64", "scratch_ptr": "*i32", "stride_lt": "i32", "stride_ls": "i32",
+         "num_tokens": "i32", "num_rows": "i32", "E": "i32", "num_aligned": "i32"},
+        {**ROUTE_K, "T_PAD": 32, "BLOCK_M": 16, "P_PAD": 512, "A_PAD": 512, "FILL": 1024, "SPLITS": 4},
         8,
     ),
     "align_pairs": (
@@ -178,6 +182,9 @@ KERNELS = {
         8,
     ),
 }  # fmt: skip
+# the router's split-K partials (`pdserve.ops.linear.router_logits`): 16 columns a program
+_kernel, _args, _tile, _warps = KERNELS["skinny"]
+KERNELS["skinny_router"] = (_kernel, _args, {**_tile, "BLOCK_N": 16}, _warps)
 # the same program with its state tile in 4 blocks of 32 value columns (a bench_step variant)
 _kernel, _args, _tile, _ = KERNELS["gates_step_norm"]
 KERNELS["gates_step_norm_split4"] = (_kernel, _args, {**_tile, "BV": 32, "V_SPLIT": 4}, 4)

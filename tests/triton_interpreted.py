@@ -68,6 +68,18 @@ def check_route(gen: torch.Generator) -> None:
         want_w, want_ids = ref.route_topk(logits, E, K)
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    # the router's split-K partial sums (fp32 [T, S, E + 1]), added; in bf16 rounded as the product
+    # would be. The interpreter rounds to bf16 toward zero (the GPU to nearest), which may reorder
+    # a near tie: bf16 compares each token's experts as a set, their weights to 2 ulps
+    partials = torch.randn(7, 3, E + 1, generator=gen)
+    for dtype, tol in [(torch.float32, 1e-6), (torch.bfloat16, 2**-6)]:
+        weights, ids = cuda_route.route_topk(partials, E, K, dtype)
+        want_w, want_ids = ref.route_topk(partials.sum(dim=1).to(dtype), E, K)
+        ids, order = ids.sort(dim=1)
+        want_ids, want_order = want_ids.sort(dim=1)
+        assert weights.dtype == dtype and torch.equal(ids, want_ids)
+        got_w, want_w = weights.gather(1, order), want_w.gather(1, want_order)
+        torch.testing.assert_close(got_w, want_w, rtol=tol, atol=1e-7)
 
 
 def check_conv(gen: torch.Generator) -> None:

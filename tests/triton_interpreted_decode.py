@@ -24,6 +24,12 @@ def check_route_align(gen: torch.Generator) -> None:
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
         assert torch.equal(rows, cuda_moe.pairs_by_sort(want_ids, E + int(shared), block_m))
+    partials = torch.randn(5, 4, E + 1, generator=gen)  # the router's split-K partial sums
+    weights, ids, rows = cuda_route_align.route_align(partials, E, K, 16, torch.float32)
+    want_w, want_ids = ref.route_topk(partials.sum(dim=1), E, K)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(rows, cuda_moe.pairs_by_sort(want_ids, E + 1, 16))
     hidden, inter, tokens = 32, 16, 6
     w13 = torch.randn(E + 1, 2 * inter, hidden, generator=gen) * 0.2
     w2 = torch.randn(E + 1, hidden, inter, generator=gen) * 0.2

@@ -8,6 +8,7 @@ from torch import nn
 
 from pdserve import ops
 from pdserve.config import ModelConfig
+from pdserve.ops import linear
 from pdserve.ops.moe import fused_moe, routed_moe
 
 
@@ -63,7 +64,7 @@ class SparseMoe(nn.Module):
         if self.gate.data_ptr() != self.router.data_ptr():
             raise RuntimeError("SparseMoe: parameters no longer alias their stacks (moved after init?)")
         if self.shared_folded:
-            logits = F.linear(x, self.router)[:, : self.num_experts + 1]
+            logits = linear.router_logits(x, self.router)[..., : self.num_experts + 1]
             w13, w2 = self.experts_w13, self.experts_w2
             return routed_moe(x, logits, w13, w2, self.num_experts, self.top_k, reduce=False)
         weights, ids = self.route(x)

@@ -1,7 +1,7 @@
 """Profile one graph-replayed decode step at the full Qwen3.6-35B-A3B shape (random bf16 weights):
 `python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--trace DIR] [--tag NAME]
 [--route-align-up-to N] [--gdn-fused-max-batch N] [--skinny-up-to N] [--skinny-splits S]
-[--variants NAME:route=N,gdn=N,gsplit=N,gwarps=N,skinny=N,splits=S ...]` (the switches set the
+[--variants NAME:route=N,gdn=N,gsplit=N,gwarps=N,skinny=N,splits=S,router=N ...]` (the switches set the
 decode kernels' paths for the run, gsplit and gwarps the fused GDN mixer's program shape; each
 variant, on the same weights and inputs, captures its graphs again with its switches and has its
 logits compared with the first variant's).
@@ -142,6 +142,7 @@ VARIANT_KEYS = {
     "gwarps": "gdn_warps",
     "skinny": "up_to",
     "splits": "splits",
+    "router": "router_up_to",
 }
 
 
@@ -167,6 +168,7 @@ def current_switches() -> dict[str, int]:
         "gdn_warps": cuda_gdn_decode.NUM_WARPS,
         "up_to": linear.SKINNY_UP_TO,
         "splits": linear.SKINNY_SPLITS,
+        "router_up_to": linear.ROUTER_UP_TO,
     }
 
 
@@ -177,6 +179,9 @@ def apply_variant(base: dict[str, int], values: dict[str, int]) -> None:
         merged["route_align_up_to"], merged["gdn_fused_max_batch"], merged["gdn_v_split"], merged["gdn_warps"]
     )
     set_skinny(merged["up_to"], merged["splits"])
+    from pdserve.ops import linear
+
+    linear.ROUTER_UP_TO = merged["router_up_to"]
 
 
 def compare_logits(logits: dict, tags: list[str], sizes: list[int]) -> None:
@@ -246,7 +251,7 @@ def main() -> None:
     )
     parser.add_argument("--skinny-splits", type=int, default=None, help="linear.SKINNY_SPLITS, this run")
     parser.add_argument(
-        "--variants", nargs="+", default=[], help="NAME:route=N,gdn=N,gsplit=N,gwarps=N,skinny=N,splits=S"
+        "--variants", nargs="+", default=[], help="NAME:" + ",".join(f"{key}=N" for key in VARIANT_KEYS)
     )
     args = parser.parse_args()
     set_switches(args.route_align_up_to, args.gdn_fused_max_batch)

@@ -275,13 +275,14 @@ def routed_experts(
     top_k: int,
     reduce: bool = True,
 ) -> torch.Tensor:
-    """Route (`route_topk`; logits [T, E + 1]: the shared expert folded in as expert E) and run the
-    experts (`fused_moe`); steps of up to ROUTE_ALIGN_UP_TO tokens route and align in one launch."""
+    """Route (`route_topk`; logits [T, E + 1]: the shared expert folded in as expert E; or their
+    partial sums [T, S, E + 1]) and run the experts (`fused_moe`); steps of up to ROUTE_ALIGN_UP_TO
+    tokens route and align in one launch."""
     num_tokens = x.shape[0]
     if 0 < num_tokens <= ROUTE_ALIGN_UP_TO:
-        out_k = top_k + int(router_logits.shape[1] == num_experts + 1)
+        out_k = top_k + int(router_logits.shape[-1] == num_experts + 1)
         cfg = _block_config(num_tokens * out_k, w13.shape[0])
-        weights, ids, rows = route_align(router_logits, num_experts, top_k, cfg["BLOCK_M"])
+        weights, ids, rows = route_align(router_logits, num_experts, top_k, cfg["BLOCK_M"], x.dtype)
         return fused_moe_triton(x, w13, w2, weights, ids, reduce, cfg=cfg, pair_of_row=rows)
-    weights, ids = route_topk(router_logits, num_experts, top_k)
+    weights, ids = route_topk(router_logits, num_experts, top_k, x.dtype)
     return fused_moe(x, w13, w2, weights, ids, reduce)

@@ -31,19 +31,31 @@ def align_chunk(num_pairs: int) -> int:
 
 
 @triton.jit
+def summed_logits(ptrs, mask, stride_ls, round_ptr, SPLITS: tl.constexpr):
+    """The logits at `ptrs` in fp32; with SPLITS > 1 they are fp32 split-K partial sums `stride_ls`
+    apart, added and rounded to round_ptr's dtype as the product in that dtype would be."""
+    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SPLITS > 1:
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0)
+        acc = acc.to(round_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+    return acc
+
+
+@triton.jit
 def topk_tile(
-    logits_ptr, rows, row_ok, stride_lt, E, SHARED_ID,
+    logits_ptr, rows, row_ok, stride_lt, stride_ls, round_ptr, E, SHARED_ID,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Each of `rows` (the ones with row_ok): probs = softmax(logits[:E]); TOP_K rounds of argmax
     (lowest id first on ties), the chosen weights renormalised; with HAS_SHARED a last pair
-    (SHARED_ID, sigmoid(logits[E])). -> (weights fp32, ids int32), [R, K_PAD] each."""
+    (SHARED_ID, sigmoid(logits[E])). -> (weights fp32, ids int32), [R, K_PAD] each. The logits are
+    `summed_logits` (SPLITS partial sums, `stride_ls` apart)."""
     offs = tl.arange(0, E_PAD)
-    logits = tl.load(
-        logits_ptr + rows[:, None] * stride_lt + offs[None, :],
-        mask=row_ok[:, None] & (offs < E)[None, :],
-        other=float("-inf"),
-    ).to(tl.float32)
+    mask = row_ok[:, None] & (offs < E)[None, :]
+    ptrs = logits_ptr + rows[:, None] * stride_lt + offs[None, :]
+    logits = tl.where(mask, summed_logits(ptrs, mask, stride_ls, round_ptr, SPLITS), float("-inf"))
     logits = tl.where(row_ok[:, None], logits, 0.0)  # rows past the tokens: finite, never stored
     p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = p / tl.sum(p, axis=1)[:, None]
@@ -59,7 +71,8 @@ def topk_tile(
         remaining = tl.where(offs[None, :] == best_id, -1.0, remaining)
     chosen_w = chosen_w / tl.sum(chosen_w, axis=1)[:, None]
     if HAS_SHARED:
-        gate = tl.sigmoid(tl.load(logits_ptr + rows * stride_lt + E, mask=row_ok, other=0.0).to(tl.float32))
+        gate_ptrs = logits_ptr + rows * stride_lt + E
+        gate = tl.sigmoid(summed_logits(gate_ptrs, row_ok, stride_ls, round_ptr, SPLITS))
         chosen_w = tl.where(offs_k == TOP_K, gate[:, None], chosen_w)
         chosen_id = tl.where(offs_k == TOP_K, SHARED_ID, chosen_id)
     return chosen_w, chosen_id
@@ -79,35 +92,50 @@ def store_routes(
 
 @triton.jit
 def _route_topk_kernel(
-    logits_ptr, weights_ptr, ids_ptr, stride_lt, E, SHARED_ID,
+    logits_ptr, weights_ptr, ids_ptr, stride_lt, stride_ls, E, SHARED_ID,
     TOP_K: tl.constexpr, OUT_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-    E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr, K_PAD: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Token t's routes (`topk_tile` of one row)."""
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     row_ok = rows >= 0
-    w, ids = topk_tile(logits_ptr, rows, row_ok, stride_lt, E, SHARED_ID, TOP_K, HAS_SHARED, E_PAD, K_PAD)
+    w, ids = topk_tile(
+        logits_ptr, rows, row_ok, stride_lt, stride_ls, weights_ptr, E, SHARED_ID,
+        TOP_K, HAS_SHARED, E_PAD, K_PAD, SPLITS,
+    )  # fmt: skip
     store_routes(weights_ptr, ids_ptr, rows, row_ok, w, ids, OUT_K, K_PAD)
 
 
-def route_topk(logits: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] or [T, E + 1] (last dim contiguous) -> (weights [T, K'], ids int64 [T, K'])."""
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
+def route_topk(
+    logits: torch.Tensor, num_experts: int, top_k: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] or [T, E + 1] (last dim contiguous), or their fp32 split-K partial sums
+    [T, S, E (+ 1)] (`pdserve.ops.linear.linear_partials`), added here and rounded to `dtype`, the
+    product's -> (weights [T, K'] in dtype (default logits'), ids int64 [T, K'])."""
+    logits, splits, dtype = split_logits(logits, dtype)
     num_tokens = logits.shape[0]
-    has_shared = logits.shape[1] == num_experts + 1
+    has_shared = logits.shape[-1] == num_experts + 1
     out_k = top_k + int(has_shared)
-    weights = torch.empty(num_tokens, out_k, dtype=logits.dtype, device=logits.device)
+    weights = torch.empty(num_tokens, out_k, dtype=dtype, device=logits.device)
     ids = torch.empty(num_tokens, out_k, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     e_pad = triton.next_power_of_2(num_experts)
     _route_topk_kernel[(num_tokens,)](
-        logits, weights, ids, logits.stride(0), num_experts, num_experts,
-        TOP_K=top_k, OUT_K=out_k, HAS_SHARED=has_shared, E_PAD=e_pad,
-        K_PAD=triton.next_power_of_2(out_k), num_warps=max(1, min(4, e_pad // 128)),
+        logits, weights, ids, logits.stride(0), logits.stride(1) if splits > 1 else 0, num_experts,
+        num_experts, TOP_K=top_k, OUT_K=out_k, HAS_SHARED=has_shared, E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(out_k), SPLITS=splits, num_warps=max(1, min(4, e_pad // 128)),
     )  # fmt: skip
     return weights, ids
+
+
+def split_logits(logits: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor, int, torch.dtype]:
+    """(logits with a contiguous last dim, how many partial sums they are, the weights' dtype)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if logits.dim() == 3 and dtype is None:
+        raise ValueError("route_topk: partial sums [T, S, E] need the product's dtype")
+    return logits, logits.shape[1] if logits.dim() == 3 else 1, dtype or logits.dtype
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_rows"])  # one build for every pass size

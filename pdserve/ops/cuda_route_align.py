@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops.cuda_route import align_all, padded_rows, store_routes, topk_tile
+from pdserve.ops.cuda_route import align_all, padded_rows, split_logits, store_routes, topk_tile
 
 ROUTE_ALIGN_TOKENS = 32  # decode steps up to this size route and align in one program
 
@@ -23,15 +23,18 @@ ROUTE_ALIGN_TOKENS = 32  # decode steps up to this size route and align in one p
 @triton.jit(do_not_specialize=["num_tokens", "num_rows"])
 def _route_align_kernel(
     logits_ptr, weights_ptr, ids_ptr, pair_of_row_ptr, scratch_ptr,
-    stride_lt, num_tokens, num_rows, E, num_aligned,
+    stride_lt, stride_ls, num_tokens, num_rows, E, num_aligned,
     TOP_K: tl.constexpr, OUT_K: tl.constexpr, HAS_SHARED: tl.constexpr, E_PAD: tl.constexpr,
     K_PAD: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr,
-    A_PAD: tl.constexpr, FILL: tl.constexpr,
+    A_PAD: tl.constexpr, FILL: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """All tokens' routes (shared expert id E), then `align_all` over E (+1) experts."""
     rows = tl.arange(0, T_PAD)
     row_ok = rows < num_tokens
-    w, ids = topk_tile(logits_ptr, rows, row_ok, stride_lt, E, E, TOP_K, HAS_SHARED, E_PAD, K_PAD)
+    w, ids = topk_tile(
+        logits_ptr, rows, row_ok, stride_lt, stride_ls, weights_ptr, E, E,
+        TOP_K, HAS_SHARED, E_PAD, K_PAD, SPLITS,
+    )  # fmt: skip
     store_routes(weights_ptr, ids_ptr, rows, row_ok, w, ids, OUT_K, K_PAD)
     tl.debug_barrier()  # the ids are visible to every thread before the alignment reads them
     align_all(
@@ -41,19 +44,19 @@ def _route_align_kernel(
 
 
 def route_align(
-    logits: torch.Tensor, num_experts: int, top_k: int, block_m: int
+    logits: torch.Tensor, num_experts: int, top_k: int, block_m: int, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [T, E] or [T, E + 1] (T <= ROUTE_ALIGN_TOKENS, last dim contiguous) -> (weights [T, K'],
-    ids int64 [T, K'], pair_of_row): `route_topk`, then `align_pairs(ids, E (+1), block_m)`."""
+    """logits [T, E] or [T, E + 1] (T <= ROUTE_ALIGN_TOKENS), or their partial sums [T, S, E (+ 1)]
+    -> (weights [T, K'], ids int64 [T, K'], pair_of_row): `route_topk` (logits and `dtype` as there),
+    then `align_pairs(ids, E (+1), block_m)`."""
     num_tokens = logits.shape[0]
     if num_tokens > ROUTE_ALIGN_TOKENS:
         raise ValueError(f"route_align: {num_tokens} tokens, at most {ROUTE_ALIGN_TOKENS} fit one program")
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    has_shared = logits.shape[1] == num_experts + 1
+    logits, splits, dtype = split_logits(logits, dtype)
+    has_shared = logits.shape[-1] == num_experts + 1
     out_k, num_aligned = top_k + int(has_shared), num_experts + int(has_shared)
     device = logits.device
-    weights = torch.empty(num_tokens, out_k, dtype=logits.dtype, device=device)
+    weights = torch.empty(num_tokens, out_k, dtype=dtype, device=device)
     ids = torch.empty(num_tokens, out_k, dtype=torch.int64, device=device)
     num_rows = padded_rows(num_tokens * out_k, num_aligned, block_m)
     pair_of_row = torch.empty(num_rows, dtype=torch.int64, device=device)
@@ -62,11 +65,11 @@ def route_align(
     if num_tokens == 0:
         return weights, ids, pair_of_row.fill_(-1)
     _route_align_kernel[(1,)](
-        logits, weights, ids, pair_of_row, scratch, logits.stride(0), num_tokens, num_rows, num_experts,
-        num_aligned, TOP_K=top_k, OUT_K=out_k, HAS_SHARED=has_shared,
+        logits, weights, ids, pair_of_row, scratch, logits.stride(0), logits.stride(1) if splits > 1 else 0,
+        num_tokens, num_rows, num_experts, num_aligned, TOP_K=top_k, OUT_K=out_k, HAS_SHARED=has_shared,
         E_PAD=triton.next_power_of_2(num_experts), K_PAD=triton.next_power_of_2(out_k),
         T_PAD=ROUTE_ALIGN_TOKENS, BLOCK_M=block_m,
         P_PAD=max(16, triton.next_power_of_2(ROUTE_ALIGN_TOKENS * out_k)), A_PAD=a_pad, FILL=1024,
-        num_warps=8,
+        SPLITS=splits, num_warps=8,
     )  # fmt: skip
     return weights, ids, pair_of_row

@@ -1,5 +1,5 @@
 """The model's dense projections: `F.linear`, or on CUDA for decode-sized inputs (up to
-`SKINNY_UP_TO` tokens) `pdserve.ops.cuda_skinny.skinny_linear`.
+`SKINNY_UP_TO` tokens; the MoE router's up to `ROUTER_UP_TO`) `pdserve.ops.cuda_skinny.skinny_linear`.
 
 `linear` returns the product itself (in_proj, qkv: their outputs feed other ops). `linear_to_norm`
 is for a projection whose output only goes to the next `add_rms_norm` (out_proj, o_proj): there it
@@ -15,6 +15,10 @@ import torch.nn.functional as F
 
 SKINNY_UP_TO = 0  # tokens: 0 until measured (session 14 wrote it without a device)
 SKINNY_SPLITS = 4
+# The MoE router's logits as split-K partials (`router_logits`) up to this many tokens: 0 until
+# `bench_step --router-up-to 32` has timed it on a GPU (session 34 wrote it from the H100 trace)
+ROUTER_UP_TO = 0
+ROUTER_SPLITS, ROUTER_BLOCK_N = 4, 16
 
 
 def _skinny(x: torch.Tensor) -> bool:
@@ -37,4 +41,16 @@ def linear_to_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         from pdserve.ops.cuda_skinny import skinny_linear
 
         return skinny_linear(x.contiguous(), weight, SKINNY_SPLITS)
+    return F.linear(x, weight)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for `route_topk`, which adds split-K partials itself: [T, N] in x's dtype, or on
+    CUDA up to ROUTER_UP_TO tokens fp32 partial sums [T, ROUTER_SPLITS, N]. cuBLAS gives the router's
+    [272, 2048] weight (1.1 MB) 5 programs at decode sizes: 5.3 us a layer for a 0.4 us read (H100
+    trace, c=4); split by 16 columns and 4 K-slices it is 68."""
+    if x.is_cuda and 0 < x.shape[0] <= ROUTER_UP_TO and x.dtype != torch.float32:
+        from pdserve.ops.cuda_skinny import skinny_linear
+
+        return skinny_linear(x.contiguous(), weight, ROUTER_SPLITS, block_n=ROUTER_BLOCK_N)
     return F.linear(x, weight)

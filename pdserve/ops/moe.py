@@ -43,11 +43,13 @@ def routed_moe(
 ) -> torch.Tensor:
     """`pdserve.ops.route_topk` of router_logits, then `fused_moe` over the chosen experts: with
     logits [T, E + 1] the shared expert is expert E of w13 / w2 ([E + 1, ...]), gated by its sigmoid.
-    On CUDA a decode step's routing and row layout are one launch."""
+    The logits may come as fp32 split-K partial sums [T, S, E (+ 1)] (`pdserve.ops.linear.router_logits`),
+    added as a product in x's dtype would be. On CUDA a decode step's routing and row layout may be
+    one launch."""
     from pdserve import ops
 
     num_columns = router_logits.shape[-1]
-    if router_logits.dim() != 2 or router_logits.shape[0] != x.shape[0]:
+    if router_logits.dim() not in (2, 3) or router_logits.shape[0] != x.shape[0]:
         raise ValueError(f"routed_moe: router_logits {tuple(router_logits.shape)} for x {tuple(x.shape)}")
     if num_columns not in (num_experts, num_experts + 1) or not 0 < top_k <= num_experts:
         raise ValueError(f"routed_moe: logits of {num_columns} for {num_experts} experts and top_k={top_k}")
@@ -58,6 +60,8 @@ def routed_moe(
         from pdserve.ops.cuda_moe import routed_experts
 
         return routed_experts(x, router_logits, w13, w2, num_experts, top_k, reduce)
+    if router_logits.dim() == 3:
+        router_logits = router_logits.sum(dim=1).to(x.dtype)
     weights, ids = ops.route_topk(router_logits, num_experts, top_k)
     return fused_moe_reference(x, w13, w2, weights, ids, reduce)  # checked above
 
