@@ -1,10 +1,11 @@
 """Profile one graph-replayed decode step at the full Qwen3.6-35B-A3B shape (random bf16 weights):
 `python -m pdserve.ops.bench_step --concurrency 4 32 [--save-logits DIR] [--trace DIR] [--tag NAME]
 [--route-align-up-to N] [--gdn-fused-max-batch N] [--skinny-up-to N] [--skinny-splits S]
-[--variants NAME:route=N,gdn=N,gsplit=N,gwarps=N,skinny=N,splits=S,router=N ...]` (the switches set the
-decode kernels' paths for the run, gsplit and gwarps the fused GDN mixer's program shape; each
-variant, on the same weights and inputs, captures its graphs again with its switches and has its
-logits compared with the first variant's).
+[--variants NAME:route=N,gdn=N,gsplit=N,gwarps=N,skinny=N,splits=S,router=N ... [--rounds R]]` (the
+switches set the decode kernels' paths for the run, gsplit and gwarps the fused GDN mixer's program
+shape, `pdserve.ops.bench_switches`; each variant, on the same weights and inputs, captures its
+graphs again with its switches and has its logits compared with the first variant's; with --rounds
+the variants are timed again in interleaved rounds, which a 1-2% difference needs).
 
 For each batch size `c`: `c` sequences of `--context` tokens (random K/V and GDN states), one decode
 token each, replayed from a CUDA graph. Prints the wall time per step (host input copies + replay),
@@ -28,6 +29,16 @@ from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.ops.bench_switches import (
+    VARIANT_KEYS,
+    apply_variant,
+    compare_logits,
+    current_switches,
+    interleaved_times,
+    parse_variant,
+    set_skinny,
+    set_switches,
+)
 
 FLOOR_MS = {4: 2.8, 16: 7.4, 32: 11.6}  # the bandwidth floor of a step (shared/design.md)
 
@@ -102,104 +113,12 @@ def append_json_lines(path: Path | None, rows: list[dict]) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def set_switches(
-    route_align_up_to: int | None,
-    gdn_fused_max_batch: int | None,
-    gdn_v_split: int | None = None,
-    gdn_warps: int | None = None,
-) -> None:
-    """Override the decode kernels' measured switches (only those given: an older checkout lacks them)."""
-    if route_align_up_to is not None:
-        from pdserve.ops import cuda_moe, cuda_route_align
-
-        if not 0 <= route_align_up_to <= cuda_route_align.ROUTE_ALIGN_TOKENS:
-            raise ValueError(f"--route-align-up-to: 0 to {cuda_route_align.ROUTE_ALIGN_TOKENS}")
-        cuda_moe.ROUTE_ALIGN_UP_TO = route_align_up_to
-    if gdn_fused_max_batch is not None:
-        from pdserve.ops import gdn_decode
-
-        gdn_decode.FUSED_MAX_BATCH = gdn_fused_max_batch
-    if gdn_v_split is not None or gdn_warps is not None:
-        from pdserve.ops import cuda_gdn_decode
-
-        cuda_gdn_decode.V_SPLIT = gdn_v_split or cuda_gdn_decode.V_SPLIT
-        cuda_gdn_decode.NUM_WARPS = gdn_warps or cuda_gdn_decode.NUM_WARPS
-
-
-def set_skinny(up_to: int | None, splits: int | None) -> None:
-    """Override `pdserve.ops.linear`'s switches (only those given)."""
-    if up_to is not None or splits is not None:
-        from pdserve.ops import linear
-
-        linear.SKINNY_UP_TO = linear.SKINNY_UP_TO if up_to is None else up_to
-        linear.SKINNY_SPLITS = linear.SKINNY_SPLITS if splits is None else splits
-
-
-VARIANT_KEYS = {
-    "route": "route_align_up_to",
-    "gdn": "gdn_fused_max_batch",
-    "gsplit": "gdn_v_split",
-    "gwarps": "gdn_warps",
-    "skinny": "up_to",
-    "splits": "splits",
-    "router": "router_up_to",
-}
-
-
-def parse_variant(spec: str) -> tuple[str, dict[str, int]]:
-    """'name:route=32,skinny=16' -> ('name', {'route_align_up_to': 32, 'up_to': 16})."""
-    name, _, body = spec.partition(":")
-    values = {}
-    for item in filter(None, body.split(",")):
-        key, _, value = item.partition("=")
-        if key not in VARIANT_KEYS or not value.isdigit():
-            raise ValueError(f"--variants {spec!r}: expected key=int with keys {sorted(VARIANT_KEYS)}")
-        values[VARIANT_KEYS[key]] = int(value)
-    return name, values
-
-
-def current_switches() -> dict[str, int]:
-    from pdserve.ops import cuda_gdn_decode, cuda_moe, gdn_decode, linear
-
-    return {
-        "route_align_up_to": cuda_moe.ROUTE_ALIGN_UP_TO,
-        "gdn_fused_max_batch": gdn_decode.FUSED_MAX_BATCH,
-        "gdn_v_split": cuda_gdn_decode.V_SPLIT,
-        "gdn_warps": cuda_gdn_decode.NUM_WARPS,
-        "up_to": linear.SKINNY_UP_TO,
-        "splits": linear.SKINNY_SPLITS,
-        "router_up_to": linear.ROUTER_UP_TO,
-    }
-
-
-def apply_variant(base: dict[str, int], values: dict[str, int]) -> None:
-    """The run's switches (`base`) with the variant's own values over them."""
-    merged = base | values
-    set_switches(
-        merged["route_align_up_to"], merged["gdn_fused_max_batch"], merged["gdn_v_split"], merged["gdn_warps"]
-    )
-    set_skinny(merged["up_to"], merged["splits"])
-    from pdserve.ops import linear
-
-    linear.ROUTER_UP_TO = merged["router_up_to"]
-
-
-def compare_logits(logits: dict, tags: list[str], sizes: list[int]) -> None:
-    """Each variant's logits against the first's: relative L2 error and greedy-token agreement."""
-    base = tags[0]
-    for tag in tags[1:]:
-        for c in sizes:
-            a, b = logits[tag, c], logits[base, c]
-            rel = ((a - b).norm() / b.norm()).item()
-            same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-            print(f"[{tag} vs {base}] c={c}: logits rel. error {rel:.2e}, same greedy token {same:.0%}")
-
-
 def run_variants(runner: ModelRunner, variants: list, base: dict[str, int], args: argparse.Namespace,
                  start: float) -> list[dict]:  # fmt: skip
     """Each variant's graphs captured with its switches, profiled at every concurrency from the
-    same GDN states; the logits compared with the first variant's. The results, in order."""
-    max_c, results, logits = max(args.concurrency), [], {}
+    same GDN states; the logits compared with the first variant's; with --rounds R (> 1) the
+    variants' graphs kept and timed again in R interleaved rounds. The results, in order."""
+    max_c, results, logits, kept = max(args.concurrency), [], {}, {}
     batches = {c: decode_batch(runner, c, args.context) for c in args.concurrency}
     recurrent, conv = runner.state_pool.recurrent.clone(), runner.state_pool.conv.clone()
     for tag, values in variants:
@@ -217,9 +136,13 @@ def run_variants(runner: ModelRunner, variants: list, base: dict[str, int], args
             if args.save_logits is not None:
                 torch.save(logits[tag, c], args.save_logits / f"logits_{tag}_c{c}.pt")
             results.append(profile(graphs, batches[c], c, args.context, tag, args.trace))
+        if args.rounds > 1:
+            kept[tag] = graphs
         del graphs
         torch.cuda.empty_cache()
     compare_logits(logits, [t for t, _ in variants], args.concurrency)
+    if kept:
+        interleaved_times(kept, sorted(args.concurrency), args.rounds)
     return results
 
 
@@ -253,6 +176,7 @@ def main() -> None:
     parser.add_argument(
         "--variants", nargs="+", default=[], help="NAME:" + ",".join(f"{key}=N" for key in VARIANT_KEYS)
     )
+    parser.add_argument("--rounds", type=int, default=1, help="> 1: the variants timed again, interleaved")
     args = parser.parse_args()
     set_switches(args.route_align_up_to, args.gdn_fused_max_batch)
     set_skinny(args.skinny_up_to, args.skinny_splits)
