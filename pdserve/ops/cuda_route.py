@@ -110,7 +110,7 @@ def route_topk(
     logits: torch.Tensor, num_experts: int, top_k: int, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] or [T, E + 1] (last dim contiguous), or their fp32 split-K partial sums
-    [T, S, E (+ 1)] (`pdserve.ops.linear.linear_partials`), added here and rounded to `dtype`, the
+    [T, S, E (+ 1)] (`pdserve.ops.linear.router_logits`), added here and rounded to `dtype`, the
     product's -> (weights [T, K'] in dtype (default logits'), ids int64 [T, K'])."""
     logits, splits, dtype = split_logits(logits, dtype)
     num_tokens = logits.shape[0]

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 SKINNY_UP_TO = 0  # tokens: 0 until measured (session 14 wrote it without a device)
 SKINNY_SPLITS = 4
 # The MoE router's logits as split-K partials (`router_logits`) up to this many tokens: 0 until
-# `bench_step --router-up-to 32` has timed it on a GPU (session 34 wrote it from the H100 trace)
+# `bench_step --variants plain: router:router=32 --rounds 7` shows a gain beyond the run-order
+# drift (session 34, H100: ~1% of a step, inside it)
 ROUTER_UP_TO = 0
 ROUTER_SPLITS, ROUTER_BLOCK_N = 4, 16
 
@@ -49,7 +50,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     CUDA up to ROUTER_UP_TO tokens fp32 partial sums [T, ROUTER_SPLITS, N]. cuBLAS gives the router's
     [272, 2048] weight (1.1 MB) 5 programs at decode sizes: 5.3 us a layer for a 0.4 us read (H100
     trace, c=4); split by 16 columns and 4 K-slices it is 68."""
-    if x.is_cuda and 0 < x.shape[0] <= ROUTER_UP_TO and x.dtype != torch.float32:
+    if x.is_cuda and 0 < x.shape[0] <= ROUTER_UP_TO:
         from pdserve.ops.cuda_skinny import skinny_linear
 
         return skinny_linear(x.contiguous(), weight, ROUTER_SPLITS, block_n=ROUTER_BLOCK_N)
