@@ -142,7 +142,7 @@ def run_variants(runner: ModelRunner, variants: list, base: dict[str, int], args
         torch.cuda.empty_cache()
     compare_logits(logits, [t for t, _ in variants], args.concurrency)
     if kept:
-        interleaved_times(kept, sorted(args.concurrency), args.rounds)
+        results += interleaved_times(kept, sorted(args.concurrency), args.rounds)
     return results
 
 

@@ -113,10 +113,10 @@ def compare_logits(logits: dict, tags: list[str], sizes: list[int]) -> None:
 
 def interleaved_times(
     graphs: dict[str, DecodeGraphs], sizes: list[int], rounds: int, steps: int = 20
-) -> None:
+) -> list[dict]:
     """Each variant's GPU ms a step at each size (CUDA events around `steps` back-to-back replays),
     in `rounds` rounds, the variants in a rotated order each round; prints each one's median and its
-    difference from the first variant's."""
+    difference from the first variant's, and returns them with every round's time."""
     tags = list(graphs)
     times: dict[tuple[str, int], list[float]] = {(tag, c): [] for tag in tags for c in sizes}
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -131,9 +131,14 @@ def interleaved_times(
                 end.record()
                 torch.cuda.synchronize()
                 times[tag, c].append(begin.elapsed_time(end) / steps)
+    rows = []
     for c in sizes:
         first = statistics.median(times[tags[0], c])
         for tag in tags:
             median, spread = statistics.median(times[tag, c]), max(times[tag, c]) - min(times[tag, c])
             print(f"[interleaved, {rounds} rounds] c={c} {tag}: GPU {median:.3f} ms/step "
                   f"(spread {spread:.3f}), {100 * (median / first - 1):+.1f}% vs {tags[0]}")  # fmt: skip
+            rows.append(
+                {"tag": tag, "concurrency": c, "interleaved_gpu_ms": median, "rounds_ms": times[tag, c]}
+            )
+    return rows
