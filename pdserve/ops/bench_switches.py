@@ -42,13 +42,13 @@ def set_switches(
         cuda_gdn_decode.NUM_WARPS = gdn_warps or cuda_gdn_decode.NUM_WARPS
 
 
-def set_skinny(up_to: int | None, splits: int | None) -> None:
+def set_skinny(up_to: int | None, splits: int | None, router_up_to: int | None = None) -> None:
     """Override `pdserve.ops.linear`'s switches (only those given)."""
-    if up_to is not None or splits is not None:
-        from pdserve.ops import linear
+    from pdserve.ops import linear
 
-        linear.SKINNY_UP_TO = linear.SKINNY_UP_TO if up_to is None else up_to
-        linear.SKINNY_SPLITS = linear.SKINNY_SPLITS if splits is None else splits
+    linear.SKINNY_UP_TO = linear.SKINNY_UP_TO if up_to is None else up_to
+    linear.SKINNY_SPLITS = linear.SKINNY_SPLITS if splits is None else splits
+    linear.ROUTER_UP_TO = linear.ROUTER_UP_TO if router_up_to is None else router_up_to
 
 
 VARIANT_KEYS = {
@@ -94,10 +94,7 @@ def apply_variant(base: dict[str, int], values: dict[str, int]) -> None:
     set_switches(
         merged["route_align_up_to"], merged["gdn_fused_max_batch"], merged["gdn_v_split"], merged["gdn_warps"]
     )
-    set_skinny(merged["up_to"], merged["splits"])
-    from pdserve.ops import linear
-
-    linear.ROUTER_UP_TO = merged["router_up_to"]
+    set_skinny(merged["up_to"], merged["splits"], merged["router_up_to"])
 
 
 def compare_logits(logits: dict, tags: list[str], sizes: list[int]) -> None:
