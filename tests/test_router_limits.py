@@ -27,7 +27,7 @@ from pdserve.sampling.params import INT64_MAX, INT64_MIN, SamplingParams
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from router.app import create_app
 from router.backend import GenerateRequest, TokenEvent
-from router.prompt_chars import max_chars_per_token, max_chars_per_token_async
+from router.prompt_chars import longest_token, max_chars_per_token, max_chars_per_token_async
 from tests.router_requests import CHAT, MODEL
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
@@ -225,6 +225,16 @@ def test_the_bound_never_refuses_a_prompt_that_fits(tokenizer: Tokenizer, text: 
     assert max_chars_per_token(tokenizer) == 128 * 4
 
 
+def test_the_longest_token_is_read_id_by_id_and_through_gaps(tokenizer: Tokenizer) -> None:
+    """The id walk finds what the whole dict says, and a vocabulary with a gap in its ids (the
+    longest entry past the size) falls back to the dict rather than miss it."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import BPE
+
+    assert longest_token(tokenizer.backend) == max(map(len, tokenizer.backend.get_vocab(True))) == 128
+    assert longest_token(Backend(BPE(vocab={"a": 0, "ccc": 5}, merges=[]))) == 3
+
+
 def test_a_burst_of_long_prompts_runs_the_vocabulary_pass_once(tokenizer: Tokenizer) -> None:
     """Prompts arriving together before the bound is known share one pass, not one each."""
     passes = []
@@ -244,7 +254,7 @@ def test_a_burst_of_long_prompts_runs_the_vocabulary_pass_once(tokenizer: Tokeni
 
 
 def test_building_the_router_leaves_the_vocabulary_pass_for_later(tiny_model_dir: Path) -> None:
-    """The prompt-length bound reads the whole vocabulary (0.2-0.3 s): not at start-up."""
+    """The prompt-length bound reads the whole vocabulary (0.15 s): not at start-up."""
     from router.server import RouterConfig, build_router
 
     before = max_chars_per_token.cache_info().misses
