@@ -33,6 +33,7 @@ import json
 from typing import Any
 
 from router.errors import OpenAIError
+from router.schema_check import regex_lookaround, unsupported_keyword
 from router.tool_parser_qwen3_coder import VALUE_ENDS, schema_types
 
 REASONING_TAGS = {"qwen3": ["<think>", "</think>"]}  # per --reasoning-parser
@@ -113,48 +114,21 @@ def one_spec(candidates: list[tuple[str, dict[str, Any] | None]]) -> dict[str, A
             schema = json.loads(schema)
         except ValueError:
             schema = None  # the engine's compile names what is wrong with it
-    if (where := unenforced_keyword(schema)) is not None:
+    if (where := unsupported_keyword(schema)) is not None:
         raise OpenAIError(
-            f"{name}: the JSON schema keyword {where} is not supported yet (xgrammar compiles the schema "
-            "without it, so the answer would not be held to it)",
+            f"{name}: the JSON schema keyword {where} is not supported yet: the answer would not be "
+            "held to it",
+            param=name,
+            code="unsupported_parameter",
+        )
+    if regex_lookaround(spec.get("regex")):
+        raise OpenAIError(
+            f"{name}: a lookahead or lookbehind in the regex is not supported yet (xgrammar ignores a "
+            "lookahead, so the answer would not be held to it)",
             param=name,
             code="unsupported_parameter",
         )
     return spec
-
-
-# JSON-schema keywords xgrammar's converter drops without a word: a schema holding one would be
-# answered with JSON that need not validate against it (uniqueItems: [1, 1, 2]; not: anything).
-UNENFORCED = ("not", "if", "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
-              "unevaluatedItems")  # fmt: skip
-SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # items: draft 4-7 tuples
-SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames")
-
-
-def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
-    """`KEYWORD at PATH` for the first keyword of `schema` (and its subschemas) the grammar would
-    not enforce, else None. Property names, enum and const values are data, not keywords."""
-    if not isinstance(schema, dict):
-        return None
-    for key in UNENFORCED:
-        if key in schema and not (key.startswith("unevaluated") and schema[key] is True):
-            return f"{key!r} at {path}"
-    if schema.get("uniqueItems") is True:
-        return f"'uniqueItems' at {path}"
-    if "multipleOf" in schema and schema.get("type") != "integer":
-        return f"'multipleOf' (on a non-integer) at {path}"
-    children = [(f"{path}/{key}", schema[key]) for key in SUBSCHEMAS if isinstance(schema.get(key), dict)]
-    for key in SUBSCHEMA_MAPS:
-        if isinstance(sub := schema.get(key), dict):
-            children += [(f"{path}/{key}/{name}", value) for name, value in sub.items()]
-    for key in SUBSCHEMA_LISTS:
-        if isinstance(sub := schema.get(key), list):
-            children += [(f"{path}/{key}/{i}", value) for i, value in enumerate(sub)]
-    for child_path, child in children:
-        if (where := unenforced_keyword(child, child_path)) is not None:
-            return where
-    return None
 
 
 def with_reasoning(spec: dict[str, Any] | None, reasoning_parser: str | None) -> dict[str, Any] | None:
@@ -171,7 +145,7 @@ def tool_call_spec(
     make = _hermes_call if tool_call_parser == "hermes" else _xml_call
     functions = [t["function"] for t in tools if forced is None or t["function"]["name"] == forced]
     for f in functions:
-        if (where := unenforced_keyword(f.get("parameters"))) is not None:
+        if (where := unsupported_keyword(f.get("parameters"))) is not None:
             raise OpenAIError(
                 f"tools: the parameters of {f['name']!r} have the JSON schema keyword {where}, which a "
                 "forced call (tool_choice required or named) does not support yet: the grammar would "
