@@ -107,17 +107,19 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await router.completions(body, request)
 
+    def card(name: str) -> dict:
+        root = api.model_root or names[0]
+        return {"id": name, "object": "model", "created": created, "owned_by": "pdserve", "root": root,
+                "max_model_len": backend.max_model_len()}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> dict:
-        root = api.model_root or names[0]
-        cards = [
-            {"id": name, "object": "model", "created": created, "owned_by": "pdserve", "root": root}
-            for name in names
-        ]
-        return {
-            "object": "list",
-            "data": [{**card, "max_model_len": backend.max_model_len()} for card in cards],
-        }
+        return {"object": "list", "data": [card(name) for name in names]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); SGLang has it
+    async def model(model: str) -> dict:
+        router.check_model(model)
+        return card(model)
 
     @app.post("/tokenize", responses=ERRORS, dependencies=JSON_BODY)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

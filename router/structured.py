@@ -108,20 +108,22 @@ def one_spec(candidates: list[tuple[str, dict[str, Any] | None]]) -> dict[str, A
     if not given:
         return None
     name, spec = given[0]
-    schema = spec.get("json")
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError:
-            schema = None  # the engine's compile names what is wrong with it
-    if (where := unsupported_keyword(schema)) is not None:
-        raise OpenAIError(
-            f"{name}: the JSON schema keyword {where} is not supported yet: the answer would not be "
-            "held to it",
-            param=name,
-            code="unsupported_parameter",
-        )
-    if regex_lookaround(spec.get("regex")):
+    schemas, patterns = [spec.get("json")], [spec.get("regex")]
+    _inside_tag(spec.get("structural_tag"), schemas, patterns)
+    for schema in schemas:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                continue  # the engine's compile names what is wrong with it
+        if (where := unsupported_keyword(schema)) is not None:
+            raise OpenAIError(
+                f"{name}: the JSON schema keyword {where} is not supported yet: the answer would not "
+                "be held to it",
+                param=name,
+                code="unsupported_parameter",
+            )
+    if any(map(regex_lookaround, patterns)):
         raise OpenAIError(
             f"{name}: a lookahead or lookbehind in the regex is not supported yet (xgrammar ignores a "
             "lookahead, so the answer would not be held to it)",
@@ -129,6 +131,29 @@ def one_spec(candidates: list[tuple[str, dict[str, Any] | None]]) -> dict[str, A
             code="unsupported_parameter",
         )
     return spec
+
+
+def _inside_tag(tag: Any, schemas: list[Any], patterns: list[Any]) -> None:
+    """The JSON schemas and regexes a structural tag holds (its `json_schema` and `regex` formats,
+    and the older form's `structures[].schema`), appended to `schemas` and `patterns`."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError:
+            return  # the engine's compile names what is wrong with it
+    if isinstance(tag, list):
+        for item in tag:
+            _inside_tag(item, schemas, patterns)
+    elif isinstance(tag, dict):
+        if tag.get("type") == "json_schema":
+            schemas.append(tag.get("json_schema"))
+        elif tag.get("type") == "regex":
+            patterns.append(tag.get("pattern"))
+        elif "begin" in tag and "schema" in tag:
+            schemas.append(tag["schema"])
+        for key, value in tag.items():
+            if key not in ("json_schema", "schema") and isinstance(value, dict | list):
+                _inside_tag(value, schemas, patterns)
 
 
 def with_reasoning(spec: dict[str, Any] | None, reasoning_parser: str | None) -> dict[str, Any] | None:

@@ -67,7 +67,7 @@ REFUSED = {"chat": {**_BOTH, **_CHAT}, "completions": {**_BOTH, **_COMPLETIONS}}
 
 
 def _neutral(name: str, value: Any, data: dict) -> bool:
-    if name == "best_of" and value == data.get("n", 1):
+    if name == "best_of" and value == (1 if data.get("n") is None else data["n"]):  # n null: 1
         return True
     return any(value == v and type(value) is type(v) for v in (*NEUTRAL, *NEUTRAL_TOO.get(name, ())))
 

@@ -192,6 +192,15 @@ def test_every_served_name_is_accepted_and_answers_carry_the_first(client: opena
         client.chat.completions.create(model="tiny", messages=CHAT)
 
 
+def test_a_model_card_is_retrieved_by_name(client: openai.OpenAI) -> None:
+    """OpenAI's GET /v1/models/{model}: each served name's card, as the list has it; another is a 404."""
+    listed = {card.id: card.model_dump() for card in client.models.list().data}
+    assert {name: client.models.retrieve(name).model_dump() for name in NAMES} == listed
+    with pytest.raises(openai.NotFoundError, match="does not exist") as missing:
+        client.models.retrieve("tiny")
+    assert missing.value.body["code"] == "model_not_found"
+
+
 # ---- request defaults
 def test_generation_config_defaults_fill_what_the_request_leaves_unset(served: tuple, client) -> None:
     backend = served[1]

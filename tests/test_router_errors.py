@@ -115,6 +115,7 @@ NOT_BUILT = [
     # neutral values and informational fields pass
     (CHAT_PATH, {"logit_bias": {}, "response_format": {"type": "text"}, "modalities": ["text"]}, None),
     (COMPLETIONS_PATH, {"best_of": 1, "echo": False, "suffix": None, "prompt_logprobs": None}, None),
+    (COMPLETIONS_PATH, {"best_of": 1, "n": None}, None),  # n null is n 1
     (CHAT_PATH, {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"}, None),
     (CHAT_PATH, {"tool_choice": "none", "parallel_tool_calls": True}, None),
 ]  # fmt: skip

@@ -18,7 +18,9 @@ import pytest
 from xgrammar.testing import _is_grammar_accept_string
 
 from pdserve.sampling.grammar import json_schema_grammar
+from router.errors import OpenAIError
 from router.schema_check import regex_lookaround, unsupported_keyword
+from router.structured import one_spec
 
 DEFS = {"$defs": {"n": {"type": "integer", "maximum": 2}}}
 CASES: list[tuple[dict[str, Any], list[Any]]] = [
@@ -159,3 +161,23 @@ def test_a_refusal_names_the_keyword_and_where() -> None:
 )
 def test_a_regex_lookaround_is_found(pattern: str, lookaround: bool) -> None:
     assert regex_lookaround(pattern) is lookaround
+
+
+def test_schemas_and_regexes_inside_a_structural_tag_are_checked() -> None:
+    """A structural tag's `json_schema` and `regex` formats (and the older `structures[].schema`)
+    meet the same check as `structured_outputs.json` and `.regex`."""
+    unique = {"type": "array", "uniqueItems": True}
+    tags = [
+        {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "const_string", "value": "x"}, {"type": "json_schema", "json_schema": unique}]}},
+        json.dumps({"type": "structural_tag", "format": {"type": "regex", "pattern": "(?=a)b"}}),
+        {"structures": [{"begin": "<f>", "schema": unique, "end": "</f>"}], "triggers": ["<f>"]},
+    ]  # fmt: skip
+    for tag in tags:
+        with pytest.raises(OpenAIError) as refused:
+            one_spec([("response_format", {"structural_tag": tag})])
+        assert refused.value.param == "response_format"
+    fine = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {"type": "integer"}}}
+    assert one_spec([("response_format", {"structural_tag": fine})]) == {"structural_tag": fine}
+    with pytest.raises(OpenAIError, match="lookahead"):
+        one_spec([("structured_outputs", {"regex": "^(?!a).*"})])

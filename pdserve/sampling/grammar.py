@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -118,7 +119,7 @@ class TokenizerGrammars:
                 value if isinstance(value, str) else json.dumps(value)
             )
         except Exception as e:  # xgrammar raises RuntimeError, ValueError, its own errors
-            raise ValueError(f"structured_outputs {kind} does not compile: {e}") from None
+            raise ValueError(f"structured_outputs {kind} does not compile: {compile_error(e)}") from None
 
     def prompt_opens(self, prompt_ids: Sequence[int], tag: str) -> bool:
         """Does the prompt end in `tag` (whitespace after it aside)?"""
@@ -126,6 +127,12 @@ class TokenizerGrammars:
         return tail.rstrip().endswith(tag)
 
 
+def compile_error(error: Exception) -> str:
+    """xgrammar's message without its C++ log prefix (`[01:02:03] /project/cpp/x.cc:94: `)."""
+    return LOG_PREFIX.sub("", str(error)).strip()
+
+
+LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ", re.MULTILINE)
 # xgrammar's rule for the characters of a string with a length bound (maxLength, minLength)
 LAX_STRING_CHARACTER = '[^\\"\\\\\\r\\n]'
 STRICT_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\\\r\\n]'
