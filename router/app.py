@@ -116,7 +116,7 @@ def create_app(
     async def models() -> dict:
         return {"object": "list", "data": [card(name) for name in names]}
 
-    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); SGLang has it
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve)
     async def model(model: str) -> dict:
         router.check_model(model)
         return card(model)
