@@ -1,9 +1,9 @@
 """The router's OpenAI app: `create_app(backend, tokenizer, served_model_name, metrics, admission)`.
 
 Routes: /v1/chat/completions and /v1/completions (router.handlers: the request lifecycle),
-/v1/models (a card per served name) and /v1/models/{model}, /tokenize and /detokenize (router.tokenize), and as vLLM
-answers them: /version (`{"version"}`), /ping (GET or POST: /health's status, no body), /health,
-/metrics.
+/v1/models (a card per served name) and /v1/models/{model}, /tokenize and /detokenize
+(router.tokenize), and as vLLM answers them: /version (`{"version"}`), /ping (GET or POST:
+/health's status, no body), /health, /metrics.
 """
 
 from __future__ import annotations

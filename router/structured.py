@@ -59,18 +59,24 @@ def response_format_spec(response_format: Any) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
+        wrapper = response_format.get("json_schema")
+        schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
         if not isinstance(schema, dict):
             raise OpenAIError(
                 "response_format json_schema needs json_schema.schema, a JSON schema object",
                 param="response_format.json_schema.schema",
             )
         return {"json": schema}
-    if kind == "structural_tag" and isinstance(response_format.get("format"), dict):
+    if kind == "structural_tag":
+        if not isinstance(response_format.get("format"), dict):
+            raise OpenAIError(
+                "response_format structural_tag needs format, an xgrammar structural tag format object",
+                param="response_format.format",
+            )
         return {"structural_tag": {"type": "structural_tag", "format": response_format["format"]}}
     raise OpenAIError(
-        f'response_format type must be "text", "json_object", "json_schema" or "structural_tag" '
-        f"(with a format), got {kind!r}",
+        f'response_format type must be "text", "json_object", "json_schema" or "structural_tag", '
+        f"got {kind!r}",
         param="response_format.type",
     )
 

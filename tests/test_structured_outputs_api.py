@@ -263,6 +263,11 @@ def test_a_named_function_with_fixed_arguments_is_exact(
             "response_format.json_schema.schema",
         ),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": "x"}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "structural_tag", "format": "x"}}, "response_format.format"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
