@@ -11,10 +11,12 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
+import msgpack
 import pytest
 
-from pdserve.internal_auth import SECRET_ENV, SECRET_FILE_ENV, RateLimitedWarning
-from pdserve.rpc import RpcClient, RpcError, RpcServer, load_internal_secret
+from pdserve.internal_auth import SECRET_ENV, SECRET_FILE_ENV, RateLimitedWarning, auth_metadata
+from pdserve.rpc import CLIENT_OPTIONS, RpcClient, RpcError, RpcServer, load_internal_secret
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"s3cret-for-tests-0123456789"
@@ -125,6 +127,39 @@ def test_calls_without_the_secret_are_refused_before_the_handler_runs() -> None:
                 assert await client.ping() == {"service": SERVICE, "methods": ["count", "echo"]}
             finally:
                 await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_refused_call_is_not_decoded(monkeypatch) -> None:
+    """The gate runs before the body is decoded: a caller without the secret makes the server
+    build nothing (a 200 MB msgpack array of nils had cost seconds of event loop and GBs), and
+    an undecodable body is UNAUTHENTICATED without the secret, INVALID_ARGUMENT with it."""
+    decoded: list[int] = []
+    monkeypatch.setattr("pdserve.rpc.unpack", lambda body: decoded.append(len(body)) or msgpack.unpackb(body))
+
+    async def status(address: str, method: str, body: bytes, secret: bytes | None) -> str:
+        metadata = auth_metadata(secret) if secret else None
+        async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+            kind = "unary_unary" if method == "echo" else "unary_stream"
+            call = getattr(channel, kind)(f"/{SERVICE}/{method}")
+            try:
+                answer = call(body, timeout=10, metadata=metadata)
+                await answer if method == "echo" else [item async for item in answer]
+                return "OK"
+            except grpc.aio.AioRpcError as e:
+                return e.code().name
+
+    async def main() -> None:
+        nils = b"\xdd" + (4_000_000).to_bytes(4, "big") + b"\xc0" * 4_000_000  # [None] * 4M
+        async with guarded_server(SECRET, []) as address:
+            for method in ("echo", "count"):
+                assert await status(address, method, nils, None) == "UNAUTHENTICATED"
+                assert await status(address, method, b"\xc1", None) == "UNAUTHENTICATED"
+                assert decoded == []
+                assert await status(address, method, b"\xc1", SECRET) == "INVALID_ARGUMENT"
+                assert decoded == [1]
+                decoded.clear()
 
     asyncio.run(main())
 
