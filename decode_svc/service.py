@@ -7,7 +7,10 @@ Request lifecycle:
      the registry (never an address a caller gives) and handshaken on first contact (protocol
      version + compatibility hash); a lease held by this very engine is decoded in place;
   2. transfer queue, first come first served: memory reserved through the scheduler (cache
-     eviction first, headroom for the running batch): RECEIVING;
+     eviction first, headroom for the running batch): RECEIVING. A request that finds no slot
+     or pages waits while the running sequences free them, its lease renewed on the prefill
+     instance (`renew`) every admission_timeout_s / 2; it fails only when it has waited
+     admission_timeout_s with nothing running here;
   3. READ of the prefill instance's pages/slot into the reserved ones; then `release` on the
      prefill instance with the lease: only if it answers that the lease was still held is the
      state used (anything else: the memory may have been reused; the request fails, never
@@ -23,6 +26,7 @@ instance may pull for the conversation's next turn (`pdserve.prefix_sharing`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +36,7 @@ from kvtransfer import TransferHandle
 from kvtransfer.payload import pool_units
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.messages import DecodeEvent, DecodeStart, LeaseRelease
+from pdserve.messages import DecodeEvent, DecodeStart, LeaseRelease, LeaseRenewal
 from pdserve.peer_directory import PeerDirectory
 from pdserve.peer_reads import PeerReads
 from pdserve.prefix_sharing import PrefixSharing
@@ -53,6 +57,7 @@ class Incoming:
     reading: bool = False  # its READ started (`PeerReads`); then its lease check
     handle: TransferHandle | None = None  # the READ, once done
     arrived: float = field(default_factory=time.monotonic)
+    renewed: float = field(default_factory=time.monotonic)  # its lease, last asked to be held longer
 
 
 class DecodeService(ServiceRole):
@@ -113,21 +118,38 @@ class DecodeService(ServiceRole):
         self.incoming[rid] = Incoming(start, seq, peer)
 
     def tick(self) -> bool:
+        now, blocked = time.monotonic(), False
         for rid, inc in list(self.incoming.items()):
-            if not inc.reading and not self._pull(rid, inc):
-                break  # first come, first served: later requests wait behind one that does not fit
+            if inc.reading:
+                continue
+            if blocked or not self._pull(rid, inc):
+                # first come, first served: later requests wait behind one that does not fit, their
+                # states held on the prefill instances meanwhile (the running free memory)
+                if not blocked and now - inc.arrived > self.config.admission_timeout_s and not self._busy:
+                    where = f"{rid} on {self.config.instance_id}"
+                    self._fail(rid, f"no sequence slot or KV pages free for {where}", "RESOURCE_EXHAUSTED")
+                elif now - inc.renewed > self.config.admission_timeout_s / 2:
+                    self._renew(rid, inc, now)
+                blocked = True
         self.reads.tick()
         return bool(self.incoming)
+
+    @property
+    def _busy(self) -> bool:
+        """Is anything here that will free a sequence slot and pages (running or arriving)?"""
+        return bool(self.engine.scheduler.running or self.engine.scheduler.receiving)
+
+    def _renew(self, rid: str, inc: Incoming, now: float) -> None:
+        inc.renewed = now
+        renewal = LeaseRenewal(rid, inc.start.lease.lease_id).to_wire()
+        self.reads.let_go(
+            inc.start.lease.agent, "renew", renewal, then=functools.partial(self._renewed, rid, inc)
+        )
 
     def _pull(self, rid: str, inc: Incoming) -> bool:
         """Reserve memory and start the READ; False if the memory is not there yet."""
         lease = inc.start.lease
         if not self.engine.reserve_transfer(inc.seq, len(lease.kv_pages)):
-            if time.monotonic() - inc.arrived > self.config.admission_timeout_s:
-                self._fail(
-                    rid, f"no memory for {rid} on {self.config.instance_id} in time", "RESOURCE_EXHAUSTED"
-                )
-                return True
             return False
         inc.reading = True
         self.reads.start(
@@ -140,6 +162,10 @@ class DecodeService(ServiceRole):
             on_failed=lambda why: self._fail(rid, f"state transfer of {rid} from {lease.agent}: {why}"),
         )
         return True
+
+    def _renewed(self, rid: str, inc: Incoming, answer: dict | None, why: str) -> None:
+        if self.incoming.get(rid) is inc and not inc.reading and (answer or {}).get("held") is not True:
+            self._fail(rid, f"the state of {rid} is no longer held: {why or 'its lease expired'}")
 
     def _confirm(self, rid: str, inc: Incoming, handle: TransferHandle) -> None:
         """After the READ: release the lease on the prefill instance; use the state only if the

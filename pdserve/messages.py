@@ -7,6 +7,7 @@ the engine. Nothing here imports torch or the engine: the router uses it too.
 
     router  --PrefillBurst-->  prefill        (stream of PrefillResult, one per request, as ready)
     router  --DecodeStart--->  decode         (stream of DecodeEvent)
+    decode  --LeaseRenewal-->  prefill        (still waiting for memory: hold the state longer)
     decode  --LeaseRelease-->  prefill        (after the READ: was the lease intact?)
     router  --Abort--------->  prefill/decode (the client left, or the router gave up)
 """
@@ -245,6 +246,23 @@ class LeaseRelease:
             check("lease_id", m.get("lease_id"), str),
             check("pulled", m.get("pulled", False), bool),
         )
+
+
+@dataclass(slots=True)
+class LeaseRenewal:
+    """Decode to prefill while a request waits for a free sequence slot or pages there: hold its
+    state another lease time (the decode side renews while its running sequences free memory)."""
+
+    request_id: str
+    lease_id: str
+
+    def to_wire(self) -> dict:
+        return wire_dict(self)
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> LeaseRenewal:
+        m = fields_of(cls, msg)
+        return cls(check("request_id", m.get("request_id"), str), check("lease_id", m.get("lease_id"), str))
 
 
 @dataclass(slots=True)

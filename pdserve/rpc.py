@@ -24,7 +24,7 @@ Every server also answers `pdserve.Rpc/Ping` (`RpcClient.ping`; the container he
 `python -m pdserve.rpc HOST:PORT` exits 0 when the server answers). The internal secret
 (`pdserve.internal_auth`; `secret=` of server and client, by default `load_internal_secret()`,
 None: no auth): a client sends it with every call; a server that has one refuses any call
-without it with UNAUTHENTICATED before the handler runs. Ping stays open for healthchecks and
+without it with UNAUTHENTICATED before its body is decoded. Ping stays open for healthchecks and
 tells only the service and method names (public in the source). A client hands its secret to
 every server it calls: dial only addresses from the signed registry.
 """

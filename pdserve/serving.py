@@ -61,7 +61,9 @@ class ServiceConfig:
     max_queued_requests: int = 1024
     # decode: fail a state READ after this long
     transfer_timeout_s: float = 10.0
-    # decode: give up on a request that found no memory for this long (below handoff_timeout_s)
+    # decode: give up on a request that found no memory for this long with nothing running to
+    # free any; while sequences run it waits, renewing its lease every half of this (which must
+    # stay below the prefill side's handoff_timeout_s)
     admission_timeout_s: float = 30.0
     # seconds between two stats lines in the log (pdserve.serving_stats); 0: none
     log_stats_interval_s: float = STATS_INTERVAL_S
@@ -97,6 +99,14 @@ def add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument(
             "--transfer-timeout", type=float, default=10.0, help="fail a state READ after (s)"
         )
+        parser.add_argument(
+            "--admission-timeout",
+            type=float,
+            default=30.0,
+            help="fail a handed-over request that found no memory this long with nothing running (s); "
+            "while sequences run it waits, its lease renewed every half of this (keep it below the "
+            "prefill side's --handoff-timeout)",
+        )
 
 
 def service_config_from_args(args: argparse.Namespace, role: str) -> ServiceConfig:
@@ -105,6 +115,7 @@ def service_config_from_args(args: argparse.Namespace, role: str) -> ServiceConf
         "handoff_timeout_s": getattr(args, "handoff_timeout", None),
         "max_queued_requests": getattr(args, "max_queued_requests", None),
         "transfer_timeout_s": getattr(args, "transfer_timeout", None),
+        "admission_timeout_s": getattr(args, "admission_timeout", None),
     }
     engine = dataclasses.replace(engine_config_from_args(args), role="both" if role == "engine" else role)
     return ServiceConfig(

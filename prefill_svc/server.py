@@ -23,6 +23,7 @@ def prefill_server(service: PrefillService) -> RpcServer:
     server.stream("prefill", service.prefill)
     server.unary("endpoint", service.endpoint)
     server.unary("release", service.release)
+    server.unary("renew", service.renew)
     server.unary("abort", service.abort)
     # prefix sharing (pdserve.prefix_sharing): a peer pulls a cached prefix; an operator clears
     server.unary("pin_prefix", service.sharing.pin_prefix)

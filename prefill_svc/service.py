@@ -11,7 +11,8 @@ Request lifecycle (one prompt of a burst):
      token) and its memory is freed, or it is HELD under a new `Lease`;
   4. held until the decode instance, after its NIXL READ, calls `release` with the lease
      (answer: was the lease still held, i.e. was the memory it read the request's own?), or the
-     router releases it, or the lease expires after `handoff_timeout_s`.
+     router releases it, or the lease expires after `handoff_timeout_s` (a decode instance
+     still waiting for memory for it calls `renew` to hold it longer).
 A stream cancelled before all its results went out aborts the requests still queued or running:
 their memory is freed at once.
 """
@@ -25,7 +26,15 @@ from collections.abc import AsyncIterator
 
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.messages import Abort, GenerateItem, Lease, LeaseRelease, PrefillBurst, PrefillResult
+from pdserve.messages import (
+    Abort,
+    GenerateItem,
+    Lease,
+    LeaseRelease,
+    LeaseRenewal,
+    PrefillBurst,
+    PrefillResult,
+)
 from pdserve.prefix_sharing import PrefixSharing
 from pdserve.sampling.params import SamplingParams
 from pdserve.serving import EngineHost, ServiceRole
@@ -79,6 +88,12 @@ class PrefillService(ServiceRole):
         req = LeaseRelease.from_wire(msg)
         intact = await self.thread.call(self.engine.scheduler.release_lease, req.request_id, req.lease_id)
         return {"intact": intact}
+
+    async def renew(self, msg: dict) -> dict:
+        """`LeaseRenewal`: hold a request's state longer; `held` False if its lease is gone."""
+        req = LeaseRenewal.from_wire(msg)
+        held = await self.thread.call(self.engine.scheduler.renew_lease, req.request_id, req.lease_id)
+        return {"held": held}
 
     async def abort(self, msg: dict) -> dict:
         """`Abort`: stop requests queued, prefilling or held here; frees their memory at once."""

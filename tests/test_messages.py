@@ -6,7 +6,15 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdserve.messages import Abort, DecodeStart, Lease, LeaseRelease, PrefillBurst, PrefillResult
+from pdserve.messages import (
+    Abort,
+    DecodeStart,
+    Lease,
+    LeaseRelease,
+    LeaseRenewal,
+    PrefillBurst,
+    PrefillResult,
+)
 
 
 def wire(message: dict) -> dict:
@@ -26,6 +34,7 @@ def test_messages_round_trip_through_msgpack() -> None:
     start = DecodeStart("r1", [1, 2, 3], {"max_tokens": 4}, 5, held)
     assert DecodeStart.from_wire(wire(start.to_wire())) == start
     assert LeaseRelease.from_wire(wire(LeaseRelease("r1", "x", True).to_wire())).pulled is True
+    assert LeaseRenewal.from_wire(wire(LeaseRenewal("r1", "x").to_wire())) == LeaseRenewal("r1", "x")
     assert Abort.from_wire(wire(Abort(["a", "b"]).to_wire())).request_ids == ["a", "b"]
     held.check_pages(4)
     with pytest.raises(ValueError, match="fill 2 pages, the lease names 3"):

@@ -2,7 +2,8 @@
 
 - prefill side: a `handoff` sequence that sampled its first token becomes HELD: it leaves the
   batch but keeps its pages and slot under a lease (`hold`), until the decode side has READ them
-  (`release_lease`), the router gives up, or the lease expires (`expire_leases`);
+  (`release_lease`), the router gives up, or the lease expires (`expire_leases`; a decode side
+  still waiting for memory renews it: `renew_lease`);
 - one instance holding both roles: the sequence stays in the batch and decodes on at once under
   a `DecodingLease` (`lease_decoding`); its outputs wait in the lease until the router's decode
   stream claims it (`claim`), so the second token never waits for the round trip through the
@@ -94,6 +95,14 @@ class HandoverStates:
         if lease is None or (lease_id is not None and lease.lease_id != lease_id):
             return False
         self.finish(lease.seq)
+        return True
+
+    def renew_lease(self, request_id: str, lease_id: str) -> bool:
+        """Hold a HELD sequence's memory another `lease_ttl_s` from now; False if that lease is gone."""
+        lease = self.held.get(request_id)
+        if lease is None or lease.lease_id != lease_id:
+            return False
+        lease.expires = time.monotonic() + self.lease_ttl_s
         return True
 
     def expire_leases(self, now: float) -> list[str]:
