@@ -127,7 +127,7 @@ def create_app(
 
     @app.post("/detokenize", responses=ERRORS, dependencies=JSON_BODY)
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
-        return detokenize(router, body)
+        return await detokenize(router, body)
 
     @app.get("/version")
     async def version() -> dict:

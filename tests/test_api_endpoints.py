@@ -112,6 +112,8 @@ def test_tokenize_a_prompt_and_back(served: tuple, tokenizer: Tokenizer) -> None
     assert body["token_strs"][0] == "Hello" and "<think>" in body["token_strs"]
     back = post(served, "/detokenize", {"tokens": body["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": "Hello <think> world"}
+    long = body["tokens"] * (MAX_MODEL_LEN // len(body["tokens"]))  # decoded on a worker thread
+    assert post(served, "/detokenize", {"tokens": long}).json() == {"prompt": tokenizer.decode(long)}
     plain = post(served, "/tokenize", {"prompt": "Hi"}).json()
     assert plain["token_strs"] is None and plain["count"] == 1
 
@@ -156,6 +158,7 @@ def test_a_chat_counts_as_its_prompt_tokens_tools_and_tool_results_included(serv
         ("/detokenize", {"tokens": "12"}, 400, "tokens"),
         ("/detokenize", {"tokens": [True]}, 400, "tokens.0"),
         ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "model"),
+        ("/detokenize", {"tokens": [1] * (MAX_MODEL_LEN + 1)}, 400, "tokens"),  # none the server makes
     ],
 )
 def test_bad_tokenize_requests_are_openai_errors(
