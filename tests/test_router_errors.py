@@ -51,7 +51,8 @@ CHAT_OK = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages: Field required"),
         ("/v1/chat/completions", {**CHAT_OK, "messages": "hello"}, 400, "messages"),
         ("/v1/chat/completions", {**CHAT_OK, "max_tokens": "lots"}, 400, "max_tokens"),
-        ("/v1/chat/completions", {**CHAT_OK, "temperature": -1}, 400, "temperature must be >= 0"),
+        ("/v1/chat/completions", {**CHAT_OK, "temperature": -1}, 400, "temperature must be finite and >= 0"),
+        ("/v1/chat/completions", json.dumps(CHAT_OK)[:-1] + ', "temperature": 1e999}', 400, "finite"),  # inf
         ("/v1/chat/completions", {**CHAT_OK, "top_p": 0}, 400, "top_p"),
         ("/v1/chat/completions", {**CHAT_OK, "stop": 5}, 400, "stop: must be a string or a list"),
         ("/v1/chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),

@@ -20,6 +20,7 @@ combined with `ignore_eos` or `min_tokens`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,8 @@ def _is_int_in(value: object, low: int, high: int = INT64_MAX) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float (JSON's 1e999 reads as inf: a temperature of inf made -inf logits NaN)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(slots=True)
@@ -111,7 +113,7 @@ class SamplingParams:
 
     def _check_distribution(self) -> None:
         if not _is_number(self.temperature) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int_in(self.top_k, -1):
@@ -125,7 +127,9 @@ class SamplingParams:
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
 
     def _check_stops(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
