@@ -32,6 +32,7 @@ from router.chat_output import ChatParsingConfig
 from router.disagg import BurstConfig, DisaggBackend
 from router.drain import Drain, DrainingServer
 from router.gate import ApiKey, read_api_key_file
+from router.http_guard import connection_cap, guarded_protocol
 from router.instances import InstanceSet
 from router.metrics import RouterMetrics
 from router.prompt_chars import max_chars_per_token_async
@@ -153,6 +154,7 @@ async def serve(config: RouterConfig) -> None:
         router.app,
         host=config.host,
         port=config.port,
+        http=guarded_protocol(max_connections=connection_cap()),  # a header timeout, a cap
         log_config=None,  # our logging's format (run() sets it up)
         log_level=None,
         access_log=config.access_log,

@@ -1,0 +1,113 @@
+"""The router's HTTP protocol (router.http_guard) under a connection flood, over real sockets to a
+real uvicorn server: half-sent requests are closed after the header timeout, connections past
+the cap are closed as they are accepted, and a well-formed request is served meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import resource
+import socket
+import time
+
+import httpx
+import uvicorn
+
+from router.http_guard import connection_cap, guarded_protocol
+
+
+async def app(scope: dict, receive, send) -> None:
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def all_closed_within(socks: list[socket.socket], seconds: float) -> list[bool]:
+    """`closed_within` of each socket, all in the same `seconds` (in parallel)."""
+    with concurrent.futures.ThreadPoolExecutor(len(socks)) as pool:
+        return list(pool.map(lambda s: closed_within(s, seconds), socks))
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Does the server close `sock` within `seconds` (EOF or a reset; what it still sends before
+    that is read and dropped)?"""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if sock.recv(4096) == b"":
+                return True
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+    return False
+
+
+async def serve_guarded(header_timeout_s: float, max_connections: int) -> tuple[uvicorn.Server, int]:
+    protocol = guarded_protocol(header_timeout_s=header_timeout_s, max_connections=max_connections)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=protocol, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    asyncio.get_running_loop().create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, server.servers[0].sockets[0].getsockname()[1]
+
+
+def test_half_sent_requests_time_out_and_a_flood_is_capped() -> None:
+    async def main() -> None:
+        server, port = await serve_guarded(header_timeout_s=1.0, max_connections=8)
+        try:
+            half = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+            for sock in half:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            await asyncio.sleep(0.1)
+            flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+            await asyncio.sleep(0.1)
+            # 6 half-sent + 2 of the flood fit under the cap of 8; the other 4 are closed at once
+            closed = await asyncio.to_thread(all_closed_within, flood, 0.3)
+            assert closed.count(True) == 4, closed
+            for sock, was_closed in zip(flood, closed, strict=True):
+                if not was_closed:
+                    sock.close()  # frees 2 places under the cap
+            await asyncio.sleep(0.1)
+            async with httpx.AsyncClient() as client:  # served while the half-sent ones wait
+                answer = await client.get(f"http://127.0.0.1:{port}/health")
+                assert answer.text == "ok"
+            # the half-sent ones are closed after the header timeout, not before
+            late = await asyncio.to_thread(all_closed_within, half, 2.0)
+            assert all(late), late
+            for sock in half + flood:
+                sock.close()
+        finally:
+            server.should_exit = True
+            await asyncio.sleep(0.2)
+
+    asyncio.run(main())
+
+
+def test_a_kept_alive_connection_is_timed_again_for_its_next_headers() -> None:
+    async def main() -> None:
+        server, port = await serve_guarded(header_timeout_s=0.5, max_connections=8)
+        try:
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(2)
+            assert b"200 OK" in await asyncio.to_thread(sock.recv, 1024)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # the next request, half sent
+            assert await asyncio.to_thread(closed_within, sock, 1.5)
+            sock.close()
+        finally:
+            server.should_exit = True
+            await asyncio.sleep(0.2)
+
+    asyncio.run(main())
+
+
+def test_the_cap_leaves_descriptors_for_the_rest() -> None:
+
+    assert (
+        64 <= connection_cap() <= resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1024
+        or connection_cap() == 64
+    )
