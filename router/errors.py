@@ -125,6 +125,9 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+UNPARSED_BODY = "There was an error parsing the body"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error FastAPI or the handlers raise to an OpenAI-shaped JSON answer."""
 
@@ -149,6 +152,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Invalid URL ({where})"
         elif exc.status_code == 405:
             message = f"Method not allowed ({where})"
+        elif exc.detail == UNPARSED_BODY:  # FastAPI's words for a body json.loads could not take
+            message = "the request body is not JSON in UTF-8 (or is nested too deeply to read)"
         else:
             message = str(exc.detail)
         return error_response(message, exc.status_code, headers=exc.headers)

@@ -48,6 +48,7 @@ CHAT_OK = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
     ("path", "body", "status", "fragment"),
     [
         ("/v1/chat/completions", '{"model": "x", "messages": [', 400, "malformed JSON"),
+        ("/v1/chat/completions", b'{"model": "\xff"}', 400, "not JSON in UTF-8"),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages: Field required"),
         ("/v1/chat/completions", {**CHAT_OK, "messages": "hello"}, 400, "messages"),
         ("/v1/chat/completions", {**CHAT_OK, "max_tokens": "lots"}, 400, "max_tokens"),
@@ -76,8 +77,8 @@ CHAT_OK = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {}}, 400, "stream is true"),
     ],
 )
-def test_bad_requests(server: str, path: str, body: dict | str, status: int, fragment: str) -> None:
-    content = body if isinstance(body, str) else json.dumps(body)
+def test_bad_requests(server: str, path: str, body: dict | str | bytes, status: int, fragment: str) -> None:
+    content = body if isinstance(body, str | bytes) else json.dumps(body)
     response = httpx.post(server + path, content=content, headers={"content-type": "application/json"})
     assert_error(response, status, fragment)
 
