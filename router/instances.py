@@ -126,6 +126,7 @@ class InstanceSet:
         log.warning("%s instance %s failed; setting it aside", instance.role, instance.instance_id)
         self._set_aside[instance.instance_id] = time.monotonic() + SET_ASIDE_S
         self.live[instance.role].pop(instance.instance_id, None)
+        self._count.labels(instance.role).set(len(self.live[instance.role]))  # as /health counts
 
     def client(self, instance: InstanceInfo) -> InstanceClient:
         """The instance's gRPC client (`unary`, `stream`); its channel stays open while a call on

@@ -91,6 +91,34 @@ async def started(registry: InstanceRegistry, instance_id: str) -> tuple[RpcServ
     return server, info
 
 
+def test_an_instance_set_aside_leaves_the_live_gauge_at_once(redis_url: str) -> None:
+    """/metrics' instances_live drops with /health's count when an instance fails a call, not at
+    the next registry read (the robustness audit saw decode 1 there and 0 on /health)."""
+
+    async def main() -> list[float | None]:
+        async with InstanceRegistry(redis_url, "gauge-1", secret=None) as registry:
+            metrics = RouterMetrics()
+            instances = InstanceSet(registry, metrics)
+            servers = [await started(registry, f"gauge-{i}") for i in range(2)]
+            try:
+                await instances.refresh()
+                gauge = ("pdserve:instances_live", {"role": "decode"})
+                before = metrics.registry.get_sample_value(*gauge)
+                instances.set_aside(servers[0][1])
+                return [
+                    before,
+                    metrics.registry.get_sample_value(*gauge),
+                    float(instances.counts()["decode"]),
+                ]
+            finally:
+                await instances.close()
+                for server, info in servers:
+                    await registry.deregister("decode", info.instance_id)
+                    await server.stop(0)
+
+    assert asyncio.run(main()) == [2.0, 1.0, 1.0]
+
+
 def test_restarted_and_removed_instances_leave_no_client_behind(redis_url: str) -> None:
     """decode-0 restarts on a new port RESTARTS times (the old process gone); each time another
     instance leaves the registry while its process still answers. Every instance served a call.
