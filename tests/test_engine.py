@@ -111,6 +111,8 @@ def test_stop_string_is_not_emitted(llm: LLM) -> None:
         ("hi", {"max_tokens": 1.5}, "max_tokens"),  # 0 is valid: the prompt scored only
         ("hi", {"max_tokens": -3}, "max_tokens"),
         ("hi", {"temperature": -0.5}, "temperature"),
+        ("hi", {"temperature": float("inf")}, "temperature must be finite"),
+        ("hi", {"repetition_penalty": 10**400}, "repetition_penalty must be finite"),  # past float's range
         ("hi", {"top_p": 0.0}, "top_p"),
         ("hi", {"top_p": 1.5}, "top_p"),
         ("hi", {"stop_token_ids": [300_000], "min_tokens": 1}, "stop_token_ids"),

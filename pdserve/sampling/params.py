@@ -46,7 +46,12 @@ def _is_int_in(value: object, low: int, high: int = INT64_MAX) -> bool:
 
 def _is_number(value: object) -> bool:
     """A finite int or float (JSON's 1e999 reads as inf: a temperature of inf made -inf logits NaN)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range (10**400): no float holds it
+        return False
 
 
 @dataclass(slots=True)
