@@ -132,9 +132,7 @@ class SamplingParams:
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0.0:
-            raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
-            )
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}")
 
     def _check_stops(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
