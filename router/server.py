@@ -154,7 +154,7 @@ async def serve(config: RouterConfig) -> None:
         router.app,
         host=config.host,
         port=config.port,
-        http=guarded_protocol(max_connections=connection_cap()),  # a header timeout, a cap
+        http=guarded_protocol(max_connections=connection_cap()),  # a request timeout, a cap
         log_config=None,  # our logging's format (run() sets it up)
         log_level=None,
         access_log=config.access_log,

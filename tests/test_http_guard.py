@@ -1,6 +1,8 @@
 """The router's HTTP protocol (router.http_guard) under a connection flood, over real sockets to a
-real uvicorn server: half-sent requests are closed after the header timeout, connections past
-the cap are closed as they are accepted, and a well-formed request is served meanwhile."""
+real uvicorn server: requests that do not arrive whole (half the headers, or headers without the
+body they announce) are closed after the request timeout, connections past the cap are closed as
+they are accepted, a well-formed request is served meanwhile, and an answer that streams past
+the timeout (a pipelined request's too) is never cut."""
 
 from __future__ import annotations
 
@@ -17,9 +19,14 @@ from router.http_guard import connection_cap, guarded_protocol
 
 
 async def app(scope: dict, receive, send) -> None:
+    """ "ok"; on /slow 12 chunks over 1.2 s (past the tests' request timeouts)."""
     if scope["type"] != "http":
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    if scope["path"] == "/slow":
+        for i in range(12):
+            await send({"type": "http.response.body", "body": b"tick%d;" % i, "more_body": True})
+            await asyncio.sleep(0.1)
     await send({"type": "http.response.body", "body": b"ok"})
 
 
@@ -45,8 +52,8 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     return False
 
 
-async def serve_guarded(header_timeout_s: float, max_connections: int) -> tuple[uvicorn.Server, int]:
-    protocol = guarded_protocol(header_timeout_s=header_timeout_s, max_connections=max_connections)
+async def serve_guarded(request_timeout_s: float, max_connections: int) -> tuple[uvicorn.Server, int]:
+    protocol = guarded_protocol(request_timeout_s=request_timeout_s, max_connections=max_connections)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, http=protocol, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     asyncio.get_running_loop().create_task(server.serve())
@@ -57,11 +64,13 @@ async def serve_guarded(header_timeout_s: float, max_connections: int) -> tuple[
 
 def test_half_sent_requests_time_out_and_a_flood_is_capped() -> None:
     async def main() -> None:
-        server, port = await serve_guarded(header_timeout_s=1.0, max_connections=8)
+        server, port = await serve_guarded(request_timeout_s=1.0, max_connections=8)
         try:
             half = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
-            for sock in half:
+            for sock in half[:3]:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            for sock in half[3:]:  # whole headers, and not the body they announce
+                sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
             await asyncio.sleep(0.1)
             flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
             await asyncio.sleep(0.1)
@@ -75,7 +84,7 @@ def test_half_sent_requests_time_out_and_a_flood_is_capped() -> None:
             async with httpx.AsyncClient() as client:  # served while the half-sent ones wait
                 answer = await client.get(f"http://127.0.0.1:{port}/health")
                 assert answer.text == "ok"
-            # the half-sent ones are closed after the header timeout, not before
+            # the half-sent ones are closed after the request timeout, not before
             late = await asyncio.to_thread(all_closed_within, half, 2.0)
             assert all(late), late
             for sock in half + flood:
@@ -89,7 +98,7 @@ def test_half_sent_requests_time_out_and_a_flood_is_capped() -> None:
 
 def test_a_kept_alive_connection_is_timed_again_for_its_next_headers() -> None:
     async def main() -> None:
-        server, port = await serve_guarded(header_timeout_s=0.5, max_connections=8)
+        server, port = await serve_guarded(request_timeout_s=0.5, max_connections=8)
         try:
             sock = socket.create_connection(("127.0.0.1", port))
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -103,6 +112,48 @@ def test_a_kept_alive_connection_is_timed_again_for_its_next_headers() -> None:
             await asyncio.sleep(0.2)
 
     asyncio.run(main())
+
+
+def test_an_answer_streaming_past_the_timeout_is_not_cut_pipelined_or_not() -> None:
+    """/slow streams 1.2 s against a 0.5 s request timeout: alone, and pipelined behind /fast in
+    one packet (uvicorn reads it in as /fast's answer ends: it is whole, so it is not timed)."""
+
+    async def main() -> list[bytes]:
+        server, port = await serve_guarded(request_timeout_s=0.5, max_connections=8)
+        answers = []
+        try:
+            for requests in (SLOW, FAST + SLOW):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(requests)
+                answers.append(await asyncio.to_thread(read_slow_answer, sock, 3.0))
+                sock.close()
+        finally:
+            server.should_exit = True
+            await asyncio.sleep(0.2)
+        return answers
+
+    alone, pipelined = asyncio.run(main())
+    assert all(answer.endswith(SLOW_END) for answer in (alone, pipelined)), (alone, pipelined)
+
+
+SLOW = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+FAST = b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n"
+SLOW_END = b"tick11;\r\n2\r\nok\r\n0\r\n\r\n"  # its last chunks, chunked
+
+
+def read_slow_answer(sock: socket.socket, seconds: float) -> bytes:
+    """What `sock` receives until /slow's answer has ended, the server closes it, or `seconds` pass."""
+    deadline, got = time.monotonic() + seconds, b""
+    while not got.endswith(SLOW_END) and (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(4096)
+        except (TimeoutError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        got += chunk
+    return got
 
 
 def test_the_cap_leaves_descriptors_for_the_rest() -> None:
