@@ -45,6 +45,7 @@ from pdserve.sampling.params import SamplingParams
 from pdserve.serving import EngineHost, ServiceRole
 
 logger = logging.getLogger(__name__)
+RENEW_RETRY_S = 1.0  # after a renewal that got no answer
 
 
 @dataclass(slots=True)
@@ -164,8 +165,16 @@ class DecodeService(ServiceRole):
         return True
 
     def _renewed(self, rid: str, inc: Incoming, answer: dict | None, why: str) -> None:
-        if self.incoming.get(rid) is inc and not inc.reading and (answer or {}).get("held") is not True:
-            self._fail(rid, f"the state of {rid} is no longer held: {why or 'its lease expired'}")
+        """The holder's answer: a lease it no longer holds ends the request (ABORTED: the router
+        prefills it again). No answer (a slow or older holder) ends nothing: the lease may still
+        run, and the READ's release check says whether the state was the request's own."""
+        if self.incoming.get(rid) is not inc or inc.reading:
+            return
+        if answer is None:
+            logger.warning("could not renew the lease of %s (%s); trying again", rid, why)
+            inc.renewed -= self.config.admission_timeout_s / 2 - RENEW_RETRY_S  # again in RENEW_RETRY_S
+        elif answer.get("held") is not True:
+            self._fail(rid, f"the state of {rid} is no longer held: its lease expired")
 
     def _confirm(self, rid: str, inc: Incoming, handle: TransferHandle) -> None:
         """After the READ: release the lease on the prefill instance; use the state only if the

@@ -62,3 +62,24 @@ def test_requests_wait_for_a_slot_past_the_admission_timeout(stack: Stack, tiny_
     assert {finish for _, finish, _ in answers} == {"length"}
     # the test means something only if some request waited past both timeouts
     assert max(seconds for _, _, seconds in answers) > 2.5 + 1.0, answers
+
+
+def test_a_renewal_without_an_answer_ends_nothing_a_lost_lease_does() -> None:
+    """`_renewed` on the engine thread: no answer (a slow or older holder) retries the renewal in
+    RENEW_RETRY_S; an answer that the lease is gone ends the request ABORTED."""
+    from types import SimpleNamespace
+
+    from decode_svc.service import RENEW_RETRY_S, DecodeService, Incoming
+
+    failed: list[str] = []
+    service = object.__new__(DecodeService)  # its engine, host and peers are not needed here
+    service.config = SimpleNamespace(admission_timeout_s=30.0)
+    service._fail = lambda rid, message, code="ABORTED": failed.append(f"{code}: {message}")
+    inc = Incoming(start=None, seq=None, peer="p", renewed=100.0)
+    service.incoming = {"r": inc}
+    service._renewed("r", inc, None, "DEADLINE_EXCEEDED")
+    assert failed == [] and inc.renewed == 100.0 - 15.0 + RENEW_RETRY_S  # due again in RENEW_RETRY_S
+    service._renewed("r", inc, {"held": True}, "")
+    assert failed == []
+    service._renewed("r", inc, {"held": False}, "")
+    assert failed == ["ABORTED: the state of r is no longer held: its lease expired"]
