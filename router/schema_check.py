@@ -15,6 +15,7 @@ mirrors that dispatch; tests/test_schema_check.py holds it to xgrammar's grammar
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -41,25 +42,47 @@ VALIDATION = {"type", "enum", "const", "multipleOf", "uniqueItems", "contains", 
               *STRING_LENGTH, "pattern", *ARRAY, *OBJECT}  # fmt: skip
 NO_OPS = {("uniqueItems", False), ("unevaluatedItems", True), ("unevaluatedProperties", True),
           ("additionalProperties", True), ("items", True)}  # fmt: skip
-LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")
+# the formats xgrammar turns into a regex, dropping a length beside them (others: annotations)
+FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+           "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}  # fmt: skip
+LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")  # after an even number of backslashes
 JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,),
               "null": (type(None),), "array": (list,), "object": (dict,)}  # fmt: skip
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # items: draft 4-7 tuples
-SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames")
+SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties",
+              "unevaluatedItems")  # fmt: skip
 
 
-def unsupported_keyword(schema: Any, root: Any = None, path: str = "#") -> str | None:
-    """`'KEYWORD' at PATH (why)` for the first keyword of `schema` or its subschemas that the
-    grammar would not hold an answer to, else None. Names of properties, and enum and const
-    values, are data, not keywords."""
+def unsupported_keyword(schema: Any) -> str | None:
+    """`'KEYWORD' at PATH (why)` for the first keyword of `schema`, its subschemas or the targets of
+    its local `$ref`s (wherever they are: `#/components/schemas/X` too) that the grammar would
+    not hold an answer to, else None. Names of properties, and enum and const values, are data."""
     if not isinstance(schema, dict):
         return None
-    root = schema if root is None else root
+    refs: list[str] = []
+    if (where := _walk(schema, schema, "#", refs)) is not None:
+        return where
+    seen: set[str] = set()
+    while refs:
+        ref = refs.pop()
+        if ref not in seen and (target := _resolve({"$ref": ref}, schema)) is not None:
+            seen.add(ref)
+            if (where := _walk(target, schema, ref, refs)) is not None:
+                return where
+    return None
+
+
+def _walk(schema: Any, root: dict[str, Any], path: str, refs: list[str]) -> str | None:
+    """The node check over `schema` and its subschemas; the local `$ref`s met go to `refs`."""
+    if not isinstance(schema, dict):
+        return None
+    if isinstance(schema.get("$ref"), str):
+        refs.append(schema["$ref"])
     if (where := _node(schema, root, path)) is not None:
         return where
     for child_path, child in _children(schema, path):
-        if (where := unsupported_keyword(child, root, child_path)) is not None:
+        if (where := _walk(child, root, child_path, refs)) is not None:
             return where
     return None
 
@@ -113,7 +136,7 @@ def _within(schema: dict[str, Any], types: list[Any], path: str) -> str | None:
         if any(key in schema for key in NUMBER_RANGE):
             return f"'multipleOf' at {path} (beside a range: xgrammar keeps the range only)"
     if "string" in types and any(key in schema for key in STRING_LENGTH):
-        if "pattern" in schema or "format" in schema:
+        if "pattern" in schema or schema.get("format") in FORMATS:
             return f"'minLength'/'maxLength' at {path} (beside a pattern or format: xgrammar ignores them)"
     if "string" in types and regex_lookaround(schema.get("pattern")):
         return f"'pattern' at {path} (a lookahead or lookbehind)"
@@ -134,7 +157,7 @@ def _disjoint(options: Any, root: Any) -> bool:
     options = [_resolve(option, root) for option in options]
     values = [_values(option) for option in options]
     if options and None not in values:
-        flat = [repr(v) for vs in values for v in vs]
+        flat = [_same(v) for vs in values for v in vs]
         if len(set(flat)) == len(flat):
             return True
     groups = [_type_group(option) for option in options]
@@ -144,10 +167,17 @@ def _disjoint(options: Any, root: Any) -> bool:
     if not tags or any(t is None for t in tags):
         return False
     for name in set.intersection(*(set(t) for t in tags)):
-        values = [v for t in tags for v in t[name]]
-        if len({repr(v) for v in values}) == len(values):
+        values = [_same(v) for t in tags for v in t[name]]
+        if len(set(values)) == len(values):
             return True
     return False
+
+
+def _same(value: Any) -> str:
+    """A key equal for values JSON Schema counts equal (1 and 1.0; objects by content)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(float(value))
+    return json.dumps(value, sort_keys=True)
 
 
 def _values(schema: dict[str, Any] | None) -> list[Any] | None:
@@ -206,6 +236,9 @@ def _no_op(key: str, value: Any) -> bool:
 
 def _children(schema: dict[str, Any], path: str) -> list[tuple[str, Any]]:
     children = [(f"{path}/{key}", schema[key]) for key in SUBSCHEMAS if isinstance(schema.get(key), dict)]
+    names = schema.get("propertyNames")
+    if isinstance(names, dict) and "type" not in names:  # read as strings (pydantic, zod leave type out)
+        children = [(p, {**names, "type": "string"} if c is names else c) for p, c in children]
     for key in SUBSCHEMA_MAPS:
         if isinstance(sub := schema.get(key), dict):
             children += [(f"{path}/{key}/{name}", value) for name, value in sub.items()]

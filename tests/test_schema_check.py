@@ -50,6 +50,9 @@ CASES: list[tuple[dict[str, Any], list[Any]]] = [
     ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, [None, 1]),
     ({"oneOf": [{"const": 1}, {"enum": [2, 3]}]}, [4, 3]),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}}, [{"a": {"a": 1}}]),
+    ({"type": "object", "propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "integer"}},
+     [{"abc": 1}, {"ab": 1}]),  # names are strings: pydantic and zod leave the type out
+    ({"type": "string", "format": "password", "minLength": 8}, ["abc", "abcdefgh"]),  # not a regex format
     # what it does not: each with an instance it lets through that is not valid
     ({"type": "integer", "minimum": 0, "multipleOf": 3}, [4]),
     ({"type": "integer", "exclusiveMaximum": 100, "multipleOf": 5}, [7]),
@@ -67,6 +70,11 @@ CASES: list[tuple[dict[str, Any], list[Any]]] = [
     ({"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]}, [3]),
     ({**DEFS, "type": "object", "properties": {"a": {"$ref": "#/$defs/n", "maximum": 1}}}, [{"a": 2}]),
     ({"$ref": "https://example.com/s.json"}, ["anything"]),
+    ({"type": "object", "unevaluatedProperties": {"minimum": 3}}, [{"a": 1}]),
+    ({"type": "object", "properties": {"a": {"$ref": "#/components/schemas/U"}},
+      "components": {"schemas": {"U": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+     [{"a": [1, 1]}]),  # a $ref target outside $defs
+    ({"oneOf": [{"const": 1}, {"const": 1.0}]}, [1]),  # equal in JSON Schema: 1 matches both
     ({"minimum": 3}, [2]),
     ({"maxLength": 1}, ["ab"]),
     ({"required": ["a"]}, [{}]),
